@@ -1,0 +1,247 @@
+"""Datasets, samplers and DataLoaders: the data plumbing every loop shares.
+
+Datasets (all real code paths, none needs the network unless --download is given):
+  digits         scikit-learn's bundled 8x8 handwritten digits (1797 images); fixed split 1500/297
+  mnist, fashion-mnist, cifar10
+                 torchvision.datasets with torchvision transforms, read from --data-root
+  synthetic      random images of --synthetic-shape with learnable class offsets (benchmarks)
+  reverse        digit sequences and their reversal (the seq2seq task for model parallelism)
+
+DataLoader tuning (docs/dataloader.md): `build_loader` exposes num_workers, pin_memory,
+persistent_workers, prefetch_factor and drop_last, and seeds workers with `seed_worker` so a run
+with workers is reproducible. Shuffling always goes through `train_sampler`, which is
+`DistributedSampler(seed=seed)` also at world size 1: that is what makes a single process with
+batch N*b see, step by step, the same samples as N DDP ranks with batch b.
+"""
+from __future__ import annotations
+
+import os
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset, TensorDataset
+
+from manual_train.config import Config, UsageError
+
+DIGITS_TRAIN = 1500  # 1797 = 1500 train + 297 val; 1500 divides by 2, 3, 4, 5 and 6 ranks
+DIGITS_SPLIT_KEY = 20240229  # a fixed key, independent of --seed, so the split never moves
+
+
+@dataclass
+class DataInfo:
+    """What a model needs to know about the data."""
+
+    name: str
+    input_shape: tuple  # per sample, e.g. (1, 8, 8); (2, L) token ids for reverse
+    num_classes: int  # classes, or vocabulary size for token tasks
+
+
+# ---------------------------------------------------------------------- datasets
+def load_digits_split() -> tuple[TensorDataset, TensorDataset]:
+    """scikit-learn's digits as (N, 1, 8, 8) float tensors in [-1, 1] and int64 labels."""
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    x = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 8.0 - 1.0  # pixels are 0..16
+    y = torch.tensor(digits.target, dtype=torch.int64)
+    # The file is ordered roughly by writer; a fixed permutation mixes writers into both splits.
+    order = torch.randperm(len(y), generator=torch.Generator().manual_seed(DIGITS_SPLIT_KEY))
+    train, val = order[:DIGITS_TRAIN], order[DIGITS_TRAIN:]
+    return TensorDataset(x[train], y[train]), TensorDataset(x[val], y[val])
+
+
+class SyntheticImages(Dataset):
+    """Deterministic random images: sample i is generated from its own seed, so any worker can make it.
+
+    Each class adds a fixed per-channel offset, so models can learn something (loss goes down),
+    which makes benchmark runs look like training rather than noise-fitting.
+    """
+
+    def __init__(self, size: int, shape: tuple, num_classes: int, seed: int = 0):
+        self.size, self.shape, self.num_classes, self.seed = size, tuple(shape), num_classes, seed
+        g = torch.Generator().manual_seed(seed + 7919)
+        self.class_offsets = torch.randn(num_classes, shape[0], 1, 1, generator=g)
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, i: int):
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
+        label = int(torch.randint(self.num_classes, (), generator=g))
+        image = torch.randn(self.shape, generator=g) + self.class_offsets[label]
+        return image, label
+
+
+class ReverseDigits(Dataset):
+    """The seq2seq task: read a sequence of digits, write it reversed.
+
+    x[i] is a (2, L) int64 tensor: row 0 the source digits, row 1 the decoder's input under
+    teacher forcing (BOS followed by the reversed digits shifted right); y[i] is the reversal.
+    Token ids: digits 0..9, BOS = 10 (so the vocabulary has 11 entries). Deterministic by seed.
+    """
+
+    BOS = 10
+    VOCAB = 11
+
+    def __init__(self, size: int, length: int = 8, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        src = torch.randint(0, 10, (size, length), generator=g)
+        self.y = src.flip(1)
+        bos = torch.full((size, 1), self.BOS, dtype=torch.int64)
+        self.x = torch.stack([src, torch.cat([bos, self.y[:, :-1]], dim=1)], dim=1)
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i: int):
+        return self.x[i], self.y[i]
+
+
+def _torchvision_dataset(cfg: Config):
+    """mnist / fashion-mnist / cifar10 through torchvision, with a one-line error when absent."""
+    import torchvision
+    from torchvision import transforms as T
+
+    if cfg.dataset == "cifar10":
+        cls, stats, shape, classes = torchvision.datasets.CIFAR10, ((0.4914, 0.4822, 0.4465),
+                                                                    (0.2470, 0.2435, 0.2616)), (3, 32, 32), 10
+        train_tf = T.Compose([T.RandomCrop(32, padding=4), T.RandomHorizontalFlip(), T.ToTensor(),
+                              T.Normalize(*stats)])
+    else:
+        cls = torchvision.datasets.MNIST if cfg.dataset == "mnist" else torchvision.datasets.FashionMNIST
+        stats = ((0.1307,), (0.3081,)) if cfg.dataset == "mnist" else ((0.2860,), (0.3530,))
+        shape, classes = (1, 28, 28), 10
+        train_tf = T.Compose([T.ToTensor(), T.Normalize(*stats)])
+    val_tf = T.Compose([T.ToTensor(), T.Normalize(*stats)])
+    root = Path(cfg.data_root)
+    try:
+        train = cls(str(root), train=True, download=cfg.download, transform=train_tf)
+        val = cls(str(root), train=False, download=cfg.download, transform=val_tf)
+    except RuntimeError as e:  # torchvision: "Dataset not found or corrupted. You can use download=True ..."
+        hint = "" if cfg.download else "; pass --download to fetch it"
+        raise UsageError("--data-root", f"no usable {cfg.dataset} data under {root}{hint} "
+                                        f"({str(e).split('.')[0]})") from None
+    except OSError as e:  # e.g. a download attempt on a machine without network
+        raise UsageError("--download", f"could not download {cfg.dataset} into {root}: {e}") from None
+    return train, val, DataInfo(cfg.dataset, shape, classes)
+
+
+def build_datasets(cfg: Config) -> tuple[Dataset, Dataset, DataInfo]:
+    """(train, val, info) for cfg.dataset. Raises UsageError for missing data."""
+    if cfg.dataset == "digits":
+        train, val = load_digits_split()
+        return train, val, DataInfo("digits", (1, 8, 8), 10)
+    if cfg.dataset == "synthetic":
+        shape = cfg.input_shape()
+        train = SyntheticImages(cfg.synthetic_size, shape, cfg.synthetic_classes, seed=0)
+        val = SyntheticImages(max(1, cfg.synthetic_size // 4), shape, cfg.synthetic_classes, seed=1)
+        return train, val, DataInfo("synthetic", shape, cfg.synthetic_classes)
+    if cfg.dataset == "reverse":
+        train = ReverseDigits(cfg.synthetic_size, seed=0)
+        val = ReverseDigits(max(1, cfg.synthetic_size // 4), seed=1)
+        return train, val, DataInfo("reverse", tuple(train.x.shape[1:]), ReverseDigits.VOCAB)
+    return _torchvision_dataset(cfg)
+
+
+# ---------------------------------------------------------------------- samplers and loaders
+def train_sampler(dataset: Dataset, seed: int, world_size: int = 1, rank: int = 0) -> DistributedSampler:
+    """The one shuffling rule for every loop: DistributedSampler's permutation, also at world size 1.
+
+    Rank r takes perm[r::world_size], so ranks' k-th batches of size b together are exactly
+    perm[k*b*N:(k+1)*b*N], the single process's k-th batch of size N*b. Call set_epoch(epoch)
+    every epoch, or every epoch repeats the same order.
+    """
+    return DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed,
+                              drop_last=False)
+
+
+def eval_shard(dataset: Dataset, world_size: int = 1, rank: int = 0) -> Dataset:
+    """Rank r's disjoint share of an evaluation set: indices r, r+N, r+2N, ... with no padding.
+
+    DistributedSampler would pad with duplicates to equalise shards, which biases distributed
+    validation metrics (Lightning issue 7929); summing per-rank sums and counts is exact instead.
+    """
+    return dataset if world_size == 1 else Subset(dataset, range(rank, len(dataset), world_size))
+
+
+def seed_worker(worker_id: int) -> None:
+    """worker_init_fn: seed `random` and numpy in each worker from torch's per-worker seed.
+
+    torch seeds each worker with base_seed + worker_id (base_seed drawn from the main process's
+    torch RNG when the iterator starts), but leaves `random` and numpy alone: without this, forked
+    workers share one numpy stream and augmentations repeat across workers.
+    """
+    worker_seed = torch.initial_seed() % 2 ** 32
+    np.random.seed(worker_seed)
+    random.seed(worker_seed)
+
+
+def build_loader(dataset: Dataset, cfg: Config, device: torch.device, *, batch_size: int,
+                 sampler=None, drop_last: bool = False) -> DataLoader:
+    """A DataLoader with the tuning knobs from the CLI. Pinning defaults to on for CUDA devices.
+
+    pin_memory only pays off with `.to(device, non_blocking=True)`: the copy from page-locked
+    memory can then overlap compute. persistent_workers saves re-forking workers each epoch;
+    prefetch_factor is how many batches each worker keeps ready.
+    """
+    pin = cfg.pin_memory if cfg.pin_memory is not None else device.type == "cuda"
+    workers = {}
+    if cfg.num_workers > 0:
+        workers = dict(worker_init_fn=seed_worker, persistent_workers=cfg.persistent_workers,
+                       prefetch_factor=cfg.prefetch_factor)
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, shuffle=False,
+                      num_workers=cfg.num_workers, pin_memory=pin and device.type == "cuda",
+                      drop_last=drop_last, **workers)
+
+
+def suggest_num_workers(local_world_size: int = 1) -> int:
+    """A starting point for --num-workers: the CPUs this process may use, shared by the local ranks.
+
+    "num_workers = number of CPUs" (the usual tip) is per machine, not per process: under DDP each
+    of the local ranks starts its own workers. One CPU per rank is left for the training process.
+    """
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cpus = os.cpu_count() or 1
+    return max(0, cpus // max(1, local_world_size) - 1)
+
+
+class SlowReads(Dataset):
+    """Wraps a dataset with a fixed per-sample read latency: an I/O-bound dataset for benchmarks."""
+
+    def __init__(self, dataset: Dataset, latency_s: float):
+        self.dataset, self.latency_s = dataset, latency_s
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i: int):
+        time.sleep(self.latency_s)
+        return self.dataset[i]
+
+
+def micro_batches_per_epoch(num_samples: int, batch_size: int) -> int:
+    """Micro-batches one epoch of `num_samples` makes without drop_last."""
+    return -(-num_samples // batch_size)
+
+
+def steps_per_epoch(num_samples: int, batch_size: int, accumulate: int) -> int:
+    """Optimizer steps per epoch: one per window of `accumulate` micro-batches, the last may be partial."""
+    return -(-micro_batches_per_epoch(num_samples, batch_size) // accumulate)
+
+
+def window_samples(num_samples: int, batch_size: int, accumulate: int, micro_step: int) -> int:
+    """How many samples the accumulation window holding micro-batch `micro_step` contains.
+
+    Every window holds accumulate*batch_size samples except the epoch's last, which holds what is
+    left. Weighting each micro-batch's mean loss by its samples / this number makes the window's
+    gradient the mean over the window's samples, exactly as one big batch would.
+    """
+    window = micro_step // accumulate
+    return min(accumulate * batch_size, num_samples - window * accumulate * batch_size)

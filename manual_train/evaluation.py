@@ -1,0 +1,37 @@
+"""Evaluation without autograd: torch.no_grad() or torch.inference_mode() (docs/evaluation.md).
+
+Both stop autograd from recording a graph, so no activations are kept for a backward that never
+comes: memory drops to what one forward needs. inference_mode goes further (no version counters,
+no view tracking), but its tensors can never enter autograd later; no_grad is what Lightning uses
+inside fit, inference_mode what its trainer.validate/test use.
+
+The result is sums, not means: loss summed over every sample, correct predictions, and the
+sample count. A mean of per-batch means is wrong whenever the last batch is smaller; sums also
+add up exactly across DDP ranks (the DDP loop all-reduces these three numbers).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from manual_train.models import correct_count
+
+
+def evaluate(model, loader, device: torch.device, amp, eval_mode: str = "no_grad"):
+    """(loss_sum, correct, count) over the loader, as float64 device tensors (no host sync)."""
+    was_training = model.training
+    model.eval()  # BatchNorm uses running statistics, dropout is off
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    correct = torch.zeros((), dtype=torch.float64, device=device)
+    count = torch.zeros((), dtype=torch.float64, device=device)
+    context = torch.inference_mode() if eval_mode == "inference" else torch.no_grad()
+    with context:
+        for x, y in loader:
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            with amp.autocast():
+                logits = model(x)
+            loss_sum += F.cross_entropy(logits.flatten(0, -2).float(), y.flatten(), reduction="sum")
+            correct += correct_count(logits, y)
+            count += y.numel()
+    model.train(was_training)
+    return loss_sum, correct, count

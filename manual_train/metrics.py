@@ -1,0 +1,132 @@
+"""Run outputs (DESIGN.md): metrics.csv, summary.json, the console, a progress bar, TensorBoard.
+
+`RunLog` does only I/O, and only where `enabled` (rank 0): the loops decide what to log and when,
+and pass plain Python numbers (already synced to the host at a log step).
+"""
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+from pathlib import Path
+from typing import Optional
+
+from tqdm import tqdm
+
+CSV_COLUMNS = ("step", "epoch", "split", "loss", "acc", "lr", "samples_per_s", "time_s")
+SUMMARY_KEYS = ("script", "world_size", "device", "precision", "global_batch_size", "epochs_run",
+                "optimizer_steps", "samples_seen", "final_val_loss", "final_val_acc", "best_val_loss",
+                "best_val_acc", "best_epoch", "stopped_early", "skipped_steps", "wall_s", "samples_per_s",
+                "data_wait_fraction", "peak_mem_bytes", "checkpoint")
+
+
+class RunLog:
+    """metrics.csv rows, console lines, optional TensorBoard scalars and summary.json, on rank 0."""
+
+    def __init__(self, out_dir: Path, *, enabled: bool = True, tensorboard: bool = False,
+                 resume_step: Optional[int] = None):
+        self.out_dir, self.enabled = Path(out_dir), enabled
+        self.tb = None
+        if not enabled:
+            return
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        path = self.out_dir / "metrics.csv"
+        kept = []
+        if resume_step is not None and path.exists():
+            # Resuming into the same folder: keep the rows up to the checkpoint, drop the ones the
+            # crashed run logged after it (they are about to be recomputed).
+            with open(path, newline="") as f:
+                kept = [row for row in csv.DictReader(f) if int(row["step"]) <= resume_step]
+        self._file = open(path, "w", newline="")
+        self._csv = csv.DictWriter(self._file, fieldnames=CSV_COLUMNS)
+        self._csv.writeheader()
+        self._csv.writerows(kept)
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(self.out_dir / "tb"))
+
+    def print(self, *parts) -> None:
+        if self.enabled:
+            tqdm.write(" ".join(str(p) for p in parts))
+
+    def row(self, *, step: int, epoch: int, split: str, loss: float, acc: float, lr: float,
+            samples_per_s: float, time_s: float) -> None:
+        if not self.enabled:
+            return
+        self._csv.writerow(dict(step=step, epoch=epoch, split=split, loss=f"{loss:.8g}", acc=f"{acc:.6g}",
+                                lr=f"{lr:.8g}", samples_per_s=f"{samples_per_s:.2f}", time_s=f"{time_s:.3f}"))
+        self._file.flush()
+        if self.tb is not None:
+            self.tb.add_scalar(f"{split}/loss", loss, step)
+            self.tb.add_scalar(f"{split}/acc", acc, step)
+            if split == "train":
+                self.tb.add_scalar("train/lr", lr, step)
+
+    def write_summary(self, summary: dict) -> None:
+        """summary.json, written whole to a temp file and renamed, like the checkpoints."""
+        if not self.enabled:
+            return
+        missing = [k for k in SUMMARY_KEYS if k not in summary]
+        assert not missing, f"summary lacks {missing}"
+        tmp = self.out_dir / ".summary.json.tmp"
+        tmp.write_text(json.dumps(_finite_or_none(summary), indent=2) + "\n")
+        os.replace(tmp, self.out_dir / "summary.json")
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        self._file.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+def run_summary(*, script: str, world_size: int, device, cfg, global_batch_size: int, epoch: int, step: int,
+                samples_seen: int, samples_this_run: int, val_loss: float, val_acc: float, best: dict,
+                early, amp, wall_s: float, data_wait_s: float, peak_mem_bytes: int, checkpoint: Path,
+                **extra) -> dict:
+    """The summary.json dict of DESIGN.md (loops pass their counters; extra keys go last)."""
+    return {
+        "script": script, "world_size": world_size, "device": str(device), "precision": cfg.precision,
+        "global_batch_size": global_batch_size, "epochs_run": epoch + 1, "optimizer_steps": step,
+        "samples_seen": samples_seen, "final_val_loss": val_loss, "final_val_acc": val_acc,
+        "best_val_loss": best.get("val_loss"), "best_val_acc": best.get("val_acc"),
+        "best_epoch": early.best_epoch, "stopped_early": early.should_stop, "stop_reason": early.reason,
+        "skipped_steps": amp.skipped_steps, "wall_s": wall_s, "samples_per_s": samples_this_run / wall_s,
+        "data_wait_fraction": data_wait_s / wall_s, "peak_mem_bytes": peak_mem_bytes,
+        "checkpoint": str(checkpoint), **extra,
+    }
+
+
+def banner(log: RunLog, *, script: str, device, cfg, raw_model, train_ds, val_ds, global_batch_size: int,
+           world_size: int, lr: float, total_steps: int, out_dir: Path, resumed_from=None, start_epoch: int = 0,
+           step: int = 0) -> None:
+    """The start banner: where it runs, in what precision, and the global batch it trains with."""
+    from manual_train.data import suggest_num_workers
+
+    n_params = sum(p.numel() for p in raw_model.parameters())
+    log.print(f"{script}: device {device}, precision {cfg.precision}, model {cfg.model} ({n_params:,} params), "
+              f"dataset {cfg.dataset} ({len(train_ds)} train / {len(val_ds)} val)")
+    log.print(f"global batch {global_batch_size} = batch {cfg.batch_size} x accumulate {cfg.accumulate} x "
+              f"world size {world_size}; lr {lr:g} ({cfg.lr_scaling} scaling from base batch "
+              f"{cfg.base_batch_size}); {total_steps} optimizer steps; num_workers {cfg.num_workers} "
+              f"(suggested here: {suggest_num_workers(world_size)}); out {out_dir}"
+              + (f"; resuming {resumed_from} at epoch {start_epoch}, step {step}" if resumed_from else ""))
+
+
+def progress_bar(total: int, initial: int, enabled: bool):
+    """A tqdm bar over optimizer steps; it appears only for runs longer than a couple of seconds."""
+    return tqdm(total=total, initial=initial, disable=not enabled, delay=2.0, unit="step", dynamic_ncols=True,
+                leave=False)
+
+
+def _finite_or_none(obj):
+    """JSON has no NaN/inf: write null for them (e.g. a run that never evaluated)."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _finite_or_none(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite_or_none(v) for v in obj]
+    return obj

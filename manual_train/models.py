@@ -1,0 +1,177 @@
+"""Models: plain nn.Modules, unmodified by any technique.
+
+Parallelism and precision are applied to these by functions elsewhere (wrap in DDP, split the
+encoder and decoder over devices, cast for O2), so the same model definition serves every loop.
+None of them uses dropout, so parity tests compare deterministic computations; `cnn` and `mlp`
+have no BatchNorm either (BatchNorm statistics are per micro-batch, which accumulation and
+DataParallel change). `resnet18` keeps its BatchNorm layers: it is the model for the 16-o2
+"BatchNorm stays fp32" rule and for the GPU benchmarks.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from manual_train.data import DataInfo
+
+
+class MLP(nn.Module):
+    def __init__(self, input_shape: tuple, num_classes: int, hidden: int = 128):
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Flatten(),
+            nn.Linear(math.prod(input_shape), hidden), nn.ReLU(),
+            nn.Linear(hidden, hidden), nn.ReLU(),
+            nn.Linear(hidden, num_classes),
+        )
+
+    def forward(self, x):
+        return self.net(x)
+
+
+class SmallCNN(nn.Module):
+    """Three 3x3 convolutions and a two-layer head; ~90k parameters, any input size >= 2x2."""
+
+    def __init__(self, in_channels: int, num_classes: int, width: int = 32):
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(in_channels, width, 3, padding=1), nn.ReLU(),
+            nn.Conv2d(width, 2 * width, 3, padding=1), nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(2 * width, 2 * width, 3, padding=1), nn.ReLU(),
+            nn.AdaptiveAvgPool2d(2),
+        )
+        self.head = nn.Sequential(
+            nn.Flatten(),
+            nn.Linear(8 * width, 128), nn.ReLU(),
+            nn.Linear(128, num_classes),
+        )
+
+    def forward(self, x):
+        return self.head(self.features(x))
+
+
+def resnet18(in_channels: int, num_classes: int) -> nn.Module:
+    """torchvision's resnet18 with a CIFAR-style stem: a 3x3 stride-1 first conv and no max-pool,
+    so 32x32 (or 8x8) inputs are not shrunk to 1x1 before the last stage."""
+    import torchvision
+
+    model = torchvision.models.resnet18(num_classes=num_classes)
+    model.conv1 = nn.Conv2d(in_channels, 64, kernel_size=3, stride=1, padding=1, bias=False)
+    model.maxpool = nn.Identity()
+    return model
+
+
+class Encoder(nn.Module):
+    def __init__(self, vocab: int, emb: int, hidden: int):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, emb)
+        self.rnn = nn.GRU(emb, hidden, batch_first=True)  # GRU, not LSTM: LSTM fails under CPU autocast
+
+    def forward(self, src):  # (B, L) -> final hidden state (1, B, H)
+        _, h = self.rnn(self.embed(src))
+        return h
+
+
+class Decoder(nn.Module):
+    def __init__(self, vocab: int, emb: int, hidden: int):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, emb)
+        self.rnn = nn.GRU(emb, hidden, batch_first=True)
+        self.out = nn.Linear(hidden, vocab)
+
+    def forward(self, dec_in, h):  # teacher forcing: (B, L) inputs, (1, B, H) state -> (B, L, V) logits
+        y, _ = self.rnn(self.embed(dec_in), h)
+        return self.out(y)
+
+
+class Seq2Seq(nn.Module):
+    """GRU encoder and GRU decoder, trained with teacher forcing.
+
+    The input is one (B, 2, L) tensor (source row, decoder-input row) so that every loop can call
+    model(x) and scatter x along the batch dimension. Model parallelism replaces forward (see
+    manual_train/parallel.py) and keeps these two submodules.
+    """
+
+    def __init__(self, vocab: int, emb: int = 64, hidden: int = 128):
+        super().__init__()
+        self.encoder = Encoder(vocab, emb, hidden)
+        self.decoder = Decoder(vocab, emb, hidden)
+
+    def forward(self, x):
+        h = self.encoder(x[:, 0])
+        return self.decoder(x[:, 1], h)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, n_embd: int, n_head: int):
+        super().__init__()
+        self.n_head = n_head
+        self.qkv = nn.Linear(n_embd, 3 * n_embd)
+        self.proj = nn.Linear(n_embd, n_embd)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+class Block(nn.Module):
+    def __init__(self, n_embd: int, n_head: int):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(n_embd), nn.LayerNorm(n_embd)
+        self.attn = CausalSelfAttention(n_embd, n_head)
+        self.mlp = nn.Sequential(nn.Linear(n_embd, 4 * n_embd), nn.GELU(), nn.Linear(4 * n_embd, n_embd))
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    """A small nanoGPT-style decoder (pre-LayerNorm blocks, tied embeddings) for the GPU benchmark."""
+
+    def __init__(self, vocab: int = 8192, block_size: int = 256, n_layer: int = 4, n_head: int = 4,
+                 n_embd: int = 256):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, n_embd)
+        self.pos = nn.Embedding(block_size, n_embd)
+        self.blocks = nn.ModuleList(Block(n_embd, n_head) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(n_embd)
+        self.head = nn.Linear(n_embd, vocab, bias=False)
+        self.head.weight = self.tok.weight
+
+    def forward(self, idx):  # (B, T) token ids -> (B, T, V) logits
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.tok(idx) + self.pos(pos)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def build_model(name: str, info: DataInfo) -> nn.Module:
+    """The model called `name`, sized for the data in `info`."""
+    if name == "mlp":
+        return MLP(info.input_shape, info.num_classes)
+    if name == "cnn":
+        return SmallCNN(info.input_shape[0], info.num_classes)
+    if name == "resnet18":
+        return resnet18(info.input_shape[0], info.num_classes)
+    if name == "seq2seq":
+        return Seq2Seq(info.num_classes)
+    raise ValueError(f"unknown model {name!r}")
+
+
+def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over every prediction: (B, C) vs (B,) for images, (B, L, V) vs (B, L) for tokens."""
+    return F.cross_entropy(logits.flatten(0, -2), y.flatten())
+
+
+def correct_count(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Number of correct predictions, as a device tensor (no host sync)."""
+    return (logits.argmax(-1) == y).sum()

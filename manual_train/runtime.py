@@ -1,0 +1,52 @@
+"""Device choice, seeding and determinism: set-up shared by every loop."""
+from __future__ import annotations
+
+import os
+import random
+
+import numpy as np
+import torch
+
+
+class TrainingDiverged(RuntimeError):
+    """The training loss became NaN/inf: the run stops, keeping its last good checkpoint (exit 1)."""
+
+
+def resolve_device(name: str) -> torch.device:
+    """--device auto picks CUDA when present; validation already refused CUDA names without CUDA."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python, numpy and torch (every device). Loops reseed torch right before building the model."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def set_deterministic(enabled: bool) -> None:
+    """--deterministic: refuse nondeterministic kernels, and make cuDNN pick deterministic ones.
+
+    Costs speed on GPUs (no cuDNN autotuning, some slower kernels); on the CPU paths used here the
+    default kernels are already deterministic run to run.
+    """
+    if not enabled:
+        return
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS needs it before its first call
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+
+
+def peak_mem_bytes(device: torch.device) -> int:
+    """CUDA: the caching allocator's peak of allocated bytes. CPU: the process's peak resident set."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
