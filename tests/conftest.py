@@ -1,0 +1,57 @@
+"""Shared test helpers: configs without argv, real CLI subprocesses, parameter comparisons."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from manual_train.config import Config, parse_config
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def make_cfg(tmp_path: Path, config_cls=Config, **overrides) -> Config:
+    """A validated config as the CLI would build it (progress bar off, outputs under tmp_path)."""
+    overrides.setdefault("progress", False)
+    overrides.setdefault("out_dir", str(tmp_path / "run"))
+    argv = []
+    for key, value in overrides.items():
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            argv.append(flag if value else "--no-" + key.replace("_", "-"))
+        elif value is not None:
+            argv += [flag, str(value)]
+    return parse_config(config_cls, argv)
+
+
+def max_param_diff(a: dict, b: dict) -> float:
+    """Max abs difference over the floating tensors of two state dicts with the same keys."""
+    assert a.keys() == b.keys()
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in a if a[k].is_floating_point())
+
+
+def load_model_state(run_dir: Path, name: str = "last.pt") -> dict:
+    return torch.load(Path(run_dir) / name, map_location="cpu", weights_only=True)["model"]
+
+
+def run_script(script: str, *args: str, timeout: float = 240, launcher: list[str] | None = None,
+               env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run launch/<script>.py as a user would (a real subprocess), capturing its output."""
+    cmd = (launcher or [sys.executable]) + [str(REPO / "launch" / f"{script}.py"), *args]
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=full_env)
+
+
+def cuda_devices(n: int = 1):
+    """Mark a test as GPU-only: skipped unless at least n CUDA devices exist."""
+    return [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < n,
+                                                reason=f"needs {n} CUDA device(s)")]
+
+
+def replace(cfg: Config, **changes) -> Config:
+    return dataclasses.replace(cfg, **changes)
