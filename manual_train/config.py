@@ -206,6 +206,9 @@ class _OneLineParser(argparse.ArgumentParser):
     def error(self, message: str):
         # argparse says "argument --dataset: invalid choice: 'x' (choose from 'a', 'b')"
         message = message.replace("argument ", "", 1).replace("(choose from", "(allowed:")
+        if message.startswith("unrecognized arguments: "):
+            extra = message.split(": ", 1)[1]
+            message = f"{extra.split()[0]}: unknown flag or stray argument {extra!r} (see --help)"
         sys.stderr.write(f"error: {message}\n")
         sys.exit(2)
 
@@ -217,7 +220,7 @@ def _flag(name: str) -> str:
 def build_parser(config_cls=Config, *, prog: Optional[str] = None, description: Optional[str] = None,
                  **defaults) -> argparse.ArgumentParser:
     """One argparse flag per dataclass field; `defaults` overrides per script (e.g. dataset='reverse')."""
-    parser = _OneLineParser(prog=prog, description=description,
+    parser = _OneLineParser(prog=prog, description=description, allow_abbrev=False,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
     hints = typing.get_type_hints(config_cls)
     for f in dataclasses.fields(config_cls):
