@@ -144,6 +144,10 @@ class Config:
         if self.resume == "auto" and self.out_dir is None:
             raise UsageError("--resume", "auto needs an explicit --out-dir to look for last.pt in")
         check_writable_dir(self.out_dir, "--out-dir")
+        if self.out_dir and self.resume is None and any((Path(self.out_dir) / name).exists()
+                                                        for name in ("last.pt", "metrics.csv")):
+            raise UsageError("--out-dir", f"{self.out_dir} already holds a run (nothing is overwritten)",
+                             "--resume auto to continue it, or a new --out-dir")
 
     def input_shape(self) -> tuple:
         try:

@@ -11,6 +11,13 @@ import torch
 class TrainingDiverged(RuntimeError):
     """The training loss became NaN/inf: the run stops, keeping its last good checkpoint (exit 1)."""
 
+    @classmethod
+    def at(cls, loss: float, step: int, log_steps: int, last_checkpoint) -> "TrainingDiverged":
+        where = f"at step {step}" if log_steps == 1 else f"in the log window of steps {step - log_steps + 1}-{step}"
+        kept = (f"last good checkpoint: {last_checkpoint}" if os.path.exists(last_checkpoint)
+                else "no checkpoint was written yet")
+        return cls(f"training loss is {loss} {where}; stopped (a lower --lr or --grad-clip may help); {kept}")
+
 
 def resolve_device(name: str) -> torch.device:
     """--device auto picks CUDA when present; validation already refused CUDA names without CUDA."""

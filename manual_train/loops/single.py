@@ -143,9 +143,7 @@ def train(cfg: Config) -> dict:
                     train_loss = (loss_sum / log_steps).item()
                     train_acc = correct_sum.item() / log_targets
                     if not math.isfinite(train_loss):
-                        raise TrainingDiverged(
-                            f"training loss is {train_loss} at step {step} (log window {step - log_steps + 1}"
-                            f"-{step}); stopped; last good checkpoint: {out_dir / 'last.pt'}")
+                        raise TrainingDiverged.at(train_loss, step, log_steps, out_dir / "last.pt")
                     now = time.perf_counter()
                     log.row(step=step, epoch=epoch, split="train", loss=train_loss, acc=train_acc,
                             lr=scheduler.get_last_lr()[0], samples_per_s=log_samples / (now - t_log),

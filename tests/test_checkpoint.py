@@ -1,0 +1,177 @@
+"""Checkpoints: exact resume (weights, metrics, RNG), atomic writes, bad files, incompatible configs,
+and a diverging loss that stops the run while keeping the last good checkpoint."""
+from __future__ import annotations
+
+import csv
+import io
+import pickle
+
+import pytest
+import torch
+from conftest import make_cfg, run_script
+
+from manual_train import checkpoint as ckpt_mod
+from manual_train import models
+from manual_train.cli import run
+from manual_train.loops import single
+from manual_train.runtime import TrainingDiverged
+
+TIMING = ("samples_per_s", "time_s")
+
+
+class Crash(Exception):
+    pass
+
+
+def rows_without_timing(path):
+    with open(path, newline="") as f:
+        return [{k: v for k, v in r.items() if k not in TIMING} for r in csv.DictReader(f)]
+
+
+def recording_loss_fn(draws, crash_after=None):
+    """loss_fn that also draws from torch's global RNG (as dropout or augmentation would) and records it,
+    and optionally crashes the run after a number of micro-steps (a killed process, as far as files go)."""
+
+    def loss(logits, y):
+        if crash_after is not None and len(draws) == crash_after:
+            raise Crash
+        draws.append(torch.rand(()).item())
+        return models.loss_fn(logits, y)
+
+    return loss
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_interrupted_then_resumed_equals_uninterrupted_bitwise(tmp_path, monkeypatch, workers):
+    flags = dict(epochs=3, log_every=5, num_workers=workers)
+    draws_a = []
+    monkeypatch.setattr(single, "loss_fn", recording_loss_fn(draws_a))
+    single.train(make_cfg(tmp_path, out_dir=str(tmp_path / "A"), **flags))
+
+    # B crashes in epoch 2 (micro-step 60 of 47 per epoch): its last.pt is from the end of epoch 1
+    draws_b = []
+    monkeypatch.setattr(single, "loss_fn", recording_loss_fn(draws_b, crash_after=60))
+    with pytest.raises(Crash):
+        single.train(make_cfg(tmp_path, out_dir=str(tmp_path / "B"), **flags))
+    assert torch.load(tmp_path / "B" / "last.pt", weights_only=True)["step"] == 47
+    assert max(int(r["step"]) for r in rows_without_timing(tmp_path / "B" / "metrics.csv")) == 60
+
+    # resume into the same folder, as a restarted job does
+    draws_c = []
+    monkeypatch.setattr(single, "loss_fn", recording_loss_fn(draws_c))
+    summary = single.train(make_cfg(tmp_path, out_dir=str(tmp_path / "B"), resume="auto", **flags))
+    assert summary["optimizer_steps"] == 3 * 47 and summary["samples_seen"] == 3 * 1500
+
+    a = torch.load(tmp_path / "A" / "last.pt", weights_only=True)
+    c = torch.load(tmp_path / "B" / "last.pt", weights_only=True)
+    assert all(torch.equal(a["model"][k], c["model"][k]) for k in a["model"])  # bitwise
+    assert all(torch.equal(a["optimizer"]["state"][i]["momentum_buffer"], c["optimizer"]["state"][i]["momentum_buffer"])
+               for i in a["optimizer"]["state"])
+    # metrics.csv: the rows the crash logged after the checkpoint were dropped and recomputed identically
+    assert rows_without_timing(tmp_path / "A" / "metrics.csv") == rows_without_timing(tmp_path / "B" / "metrics.csv")
+    # the RNG stream continues where it was: draws after the resume point are the uninterrupted run's
+    assert draws_c == draws_a[47:]
+
+
+def test_without_rng_state_the_stream_would_differ(tmp_path, monkeypatch):
+    """Shows the RNG check above can fail: a resume that skips restore_rng draws other numbers."""
+    draws_a = []
+    monkeypatch.setattr(single, "loss_fn", recording_loss_fn(draws_a))
+    single.train(make_cfg(tmp_path, out_dir=str(tmp_path / "A"), epochs=2))
+    draws_c = []
+    monkeypatch.setattr(single, "loss_fn", recording_loss_fn(draws_c))
+    monkeypatch.setattr(single, "restore_rng", lambda state: None)  # Lightning-style: no RNG in checkpoints
+    ckpt = tmp_path / "A" / "mid.pt"
+    state = torch.load(tmp_path / "A" / "last.pt", weights_only=True)
+    state["epoch"], state["step"] = 1, 47  # pretend it is the epoch-1 checkpoint (weights don't matter here)
+    ckpt_mod.save_checkpoint(state, ckpt)
+    single.train(make_cfg(tmp_path, out_dir=str(tmp_path / "C"), epochs=2, resume=str(ckpt)))
+    assert draws_c != draws_a[47:]
+
+
+def test_a_crash_while_saving_leaves_the_previous_checkpoint_whole(tmp_path, monkeypatch):
+    path = tmp_path / "last.pt"
+    good = {"model": {"w": torch.ones(3)}, "step": 1}
+    ckpt_mod.save_checkpoint(good, path)
+
+    def dies_midway(obj, f):
+        f.write(b"PK\x03\x04 half a zip file")  # some bytes reach the temp file ...
+        raise OSError("disk full")  # ... then the write fails
+
+    monkeypatch.setattr(ckpt_mod.torch, "save", dies_midway)
+    with pytest.raises(OSError):
+        ckpt_mod.save_checkpoint({"model": {"w": torch.zeros(3)}, "step": 2}, path)
+    monkeypatch.undo()
+    back = torch.load(path, weights_only=True)
+    assert back["step"] == 1 and torch.equal(back["model"]["w"], torch.ones(3))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.pt"], "the temp file is cleaned up"
+
+
+class Foreign:  # a pickled object weights_only must refuse to construct
+    def __reduce__(self):
+        return (print, ("this would run on load",))
+
+
+def bad_files(tmp_path):
+    good = tmp_path / "good.pt"
+    single.train(make_cfg(tmp_path, out_dir=str(tmp_path / "g"), max_steps=3))
+    good = tmp_path / "g" / "last.pt"
+    truncated = tmp_path / "truncated.pt"
+    truncated.write_bytes(good.read_bytes()[:2000])
+    noise = tmp_path / "noise.pt"
+    noise.write_bytes(bytes(range(256)) * 10)
+    foreign = tmp_path / "foreign.pt"
+    torch.save({"state_dict": {"w": torch.ones(1)}}, foreign)  # a valid torch file, not ours
+    code = tmp_path / "code.pt"
+    buf = io.BytesIO()
+    pickle.dump({"model": Foreign()}, buf)
+    code.write_bytes(buf.getvalue())
+    return {"truncated": truncated, "noise": noise, "foreign": foreign, "code": code}
+
+
+def test_corrupt_or_foreign_checkpoints_are_one_line_errors(tmp_path, capsys):
+    for name, path in bad_files(tmp_path).items():
+        capsys.readouterr()
+        code = run(single.train, script="single", argv=["--resume", str(path), "--out-dir", str(tmp_path / name),
+                                                         "--no-progress"])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2, name
+        assert len(err) == 1 and err[0].startswith("error: --resume:"), (name, err)
+        assert not (tmp_path / name).exists(), "nothing is created for a rejected checkpoint"
+
+
+def test_incompatible_checkpoint_names_the_mismatch(tmp_path):
+    single.train(make_cfg(tmp_path, out_dir=str(tmp_path / "cnn"), max_steps=3))
+    proc = run_script("single", "--model", "mlp", "--resume", str(tmp_path / "cnn" / "last.pt"),
+                      "--out-dir", str(tmp_path / "mlp"))
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == ("error: --resume: checkpoint was trained with --model cnn, this run has mlp")
+
+
+def test_existing_run_folder_is_not_overwritten(tmp_path, capsys):
+    single.train(make_cfg(tmp_path, out_dir=str(tmp_path / "r"), max_steps=3))
+    before = (tmp_path / "r" / "last.pt").read_bytes()
+    assert run(single.train, script="single", argv=["--out-dir", str(tmp_path / "r")]) == 2
+    assert "--resume auto" in capsys.readouterr().err
+    assert (tmp_path / "r" / "last.pt").read_bytes() == before
+
+
+def test_a_diverging_lr_stops_with_the_step_named(tmp_path):
+    proc = run_script("single", "--lr", "1000", "--log-every", "1", "--no-progress", "--out-dir", str(tmp_path / "d"))
+    assert proc.returncode == 1
+    err = proc.stderr.strip().splitlines()
+    assert len(err) == 1 and "training loss is nan at step" in err[0] and "Traceback" not in proc.stderr
+    assert not (tmp_path / "d" / "last.pt").exists()  # no checkpoint of NaN weights is ever written
+
+
+def test_divergence_after_a_checkpoint_keeps_it(tmp_path, monkeypatch):
+    def nan_from_step_60(logits, y, calls=[]):
+        calls.append(1)
+        loss = models.loss_fn(logits, y)
+        return loss * float("nan") if len(calls) > 60 else loss
+
+    monkeypatch.setattr(single, "loss_fn", nan_from_step_60)
+    with pytest.raises(TrainingDiverged, match="at step 61.*last good checkpoint"):
+        single.train(make_cfg(tmp_path, epochs=3, log_every=1))
+    kept = torch.load(tmp_path / "run" / "last.pt", weights_only=True)
+    assert kept["step"] == 47 and all(v.isfinite().all() for v in kept["model"].values())
