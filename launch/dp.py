@@ -1,0 +1,12 @@
+"""Data parallelism in one process: nn.DataParallel or its steps written out (manual_train/loops/data_parallel.py).
+`--help` lists every flag."""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout too
+
+from manual_train.cli import run  # noqa: E402
+from manual_train.loops import data_parallel  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(run(data_parallel.train, data_parallel.DPConfig, script="dp", doc=data_parallel.__doc__))
