@@ -67,9 +67,27 @@ def setup(env: DistEnv, device: torch.device, backend: str = "auto", timeout_s: 
         # plain `python launch/ddp.py`: a group of one, so the same code path runs everywhere
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s),
+    timeout = datetime.timedelta(seconds=timeout_s)
+    dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size, timeout=timeout,
+                            store=restart_safe_store(env, timeout),
                             device_id=device if device.type == "cuda" else None)
+
+
+def restart_safe_store(env: DistEnv, timeout: datetime.timedelta):
+    """Under torchrun, the agent's store with this restart attempt's keys kept apart; None elsewhere (env://).
+
+    torchrun's agent hosts one TCPStore at MASTER_ADDR:MASTER_PORT and (torch 2.14) keeps it across the
+    restarts of --max-restarts. Its keys outlive a failed group, so the restarted group can read the dead
+    ranks' addresses and fail to connect (gloo: "connectFullMesh failed ... Connection refused"; pytorch
+    issue 167288). A prefix per attempt, as torch itself used before it shared the store, keeps each
+    attempt's keys its own. (Setting TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun avoids it too.)
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), env.world_size,
+                          is_master=False, timeout=timeout)  # a client: the agent serves it
+    return dist.PrefixStore(f"manual_train/attempt_{attempt}", store)
 
 
 def teardown() -> None:
@@ -84,3 +102,28 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def exit_quietly_on_bad_args(config_cls, **defaults) -> None:
+    """Under torchrun every rank parses the same argv: let local rank 0 alone report a bad flag.
+
+    Call before `manual_train.cli.run`. On local ranks other than 0 it parses once with stdout and stderr
+    swallowed; bad input (or --help) ends the process there, silently, with the status rank 0 is about to
+    print and return (2 for bad input). Good input returns and is parsed again by cli.run. torchrun then
+    adds its own report of the failed workers (a ChildFailedError block) after rank 0's one line.
+    """
+    if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+        return
+    import contextlib
+    import io
+    import sys
+
+    from manual_train.config import parse_config
+
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            parse_config(config_cls, **defaults)
+    except UsageError:
+        sys.exit(2)
+    except SystemExit as e:  # argparse: exit 2 after a bad flag, 0 after --help
+        sys.exit(e.code)

@@ -1,0 +1,16 @@
+"""Train with DistributedDataParallel (manual_train/loops/ddp.py). `--help` lists every flag.
+
+    torchrun --nproc_per_node=4 launch/ddp.py      # one process per rank; python launch/ddp.py is a group of one
+"""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout too
+
+from manual_train.cli import run  # noqa: E402
+from manual_train.distributed import exit_quietly_on_bad_args  # noqa: E402
+from manual_train.loops import ddp  # noqa: E402
+
+if __name__ == "__main__":
+    exit_quietly_on_bad_args(ddp.DDPConfig, **ddp.DEFAULTS)  # every rank parses argv; local rank 0 reports
+    sys.exit(run(ddp.train, ddp.DDPConfig, script="ddp", doc=ddp.__doc__, **ddp.DEFAULTS))
