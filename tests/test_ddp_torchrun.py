@@ -1,0 +1,117 @@
+"""launch/ddp.py under real torchrun (a subprocess, as a user starts it): parity, outputs, bad input, faults.
+
+torchrun is started as `python -m torch.distributed.run --standalone` (a free rendezvous port per job, so runs
+never collide). Every job costs torchrun's own import plus one per worker (~4-5 s each on this CPU), so each
+test starts one job and the uninterrupted 2-rank run is shared by the CLI parity and the restart tests.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import sys
+
+import pytest
+import torch
+from conftest import load_model_state, max_param_diff, run_script
+
+from manual_train.metrics import CSV_COLUMNS, SUMMARY_KEYS
+
+TOL = 1e-6
+
+
+def torchrun(nproc: int, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), *extra]
+
+
+def error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("error: ")]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The issue's command: torchrun --nproc_per_node=2 launch/ddp.py --batch-size 16 --epochs 2 --out-dir A."""
+    out = tmp_path_factory.mktemp("A")
+    proc = run_script("ddp", "--batch-size", "16", "--epochs", "2", "--out-dir", str(out), "--no-progress",
+                      launcher=torchrun(2), timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out, proc
+
+
+@pytest.mark.slow
+def test_torchrun_two_ranks_batch_16_equals_single_process_batch_32(uninterrupted, tmp_path):
+    a, proc_a = uninterrupted
+    b = tmp_path / "B"
+    proc_b = run_script("single", "--batch-size", "32", "--epochs", "2", "--out-dir", str(b), "--no-progress")
+    assert proc_b.returncode == 0, proc_b.stderr[-3000:]
+    diff = max_param_diff(load_model_state(a), load_model_state(b))
+    assert diff < TOL, f"A/last.pt vs B/last.pt: max abs diff {diff:.3g}"
+    assert "global batch 32 = batch 16 x accumulate 1 x world size 2" in proc_a.stdout
+    # Only rank 0 prints: one banner, one line per epoch, not one per rank.
+    assert proc_a.stdout.count("global batch 32") == 1 and proc_a.stdout.count("epoch 2/2") == 1
+
+
+@pytest.mark.slow
+def test_four_ranks_with_no_training_flags_write_the_outputs_contract(tmp_path):
+    """The demo's command (the default per-rank batch of 8), shortened with --max-steps."""
+    out = tmp_path / "run"
+    proc = run_script("ddp", "--max-steps", "20", "--log-every", "5", "--out-dir", str(out), "--no-progress",
+                      launcher=torchrun(4), timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "global batch 32 = batch 8 x accumulate 1 x world size 4" in proc.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(SUMMARY_KEYS) <= summary.keys()
+    assert summary["script"] == "ddp" and summary["world_size"] == 4 and summary["global_batch_size"] == 32
+    assert summary["optimizer_steps"] == 20 and summary["samples_seen"] == 20 * 32
+    with open(out / "metrics.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert tuple(rows[0].keys()) == CSV_COLUMNS
+    assert [int(r["step"]) for r in rows if r["split"] == "train"] == [5, 10, 15, 20]  # rank 0's rows only
+    ckpt = torch.load(out / "last.pt", weights_only=True)
+    assert ckpt["world_size"] == 4 and ckpt["step"] == 20
+    assert not any(k.startswith("module.") for k in ckpt["model"]), "the unwrapped model is saved"
+    assert not list(out.glob(".*tmp*")), "no temporary files left behind"
+
+
+def test_bad_input_under_torchrun_is_one_line_from_rank_0(tmp_path):
+    proc = run_script("ddp", "--sync-bn", "--out-dir", str(tmp_path / "run"), launcher=torchrun(2), timeout=120)
+    assert proc.returncode != 0  # torchrun's own status: 1 whatever its workers returned
+    assert error_lines(proc.stderr) == [
+        "error: --sync-bn: SyncBatchNorm runs on CUDA devices only; this run uses the CPU "
+        "(allowed: --no-sync-bn, or --device cuda)"]
+    assert "[rank" not in proc.stderr, "no worker traceback"
+    # What torchrun adds after it: its ChildFailedError report, naming the exit status 2.
+    assert "ChildFailedError" in proc.stderr and "exitcode  : 2" in proc.stderr
+    assert not (tmp_path / "run").exists(), "validation runs before any directory is created"
+
+
+def test_an_exception_on_one_rank_ends_the_whole_job_promptly(tmp_path):
+    # The collective timeout (600 s) is far above this test's limit (120 s): ending in time means the failure
+    # ended the job (torchrun saw a worker exit and stopped the others), not a timeout.
+    proc = run_script("ddp", "--fail-at-step", "5", "--fail-rank", "1", "--dist-timeout-s", "600", "--max-steps",
+                      "40", "--out-dir", str(tmp_path / "run"), "--no-progress", launcher=torchrun(2), timeout=120)
+    assert proc.returncode != 0
+    assert "RuntimeError: injected failure on rank 1 after 5 optimizer steps (--fail-at-step)" in proc.stderr
+    assert "ChildFailedError" in proc.stderr
+    assert not (tmp_path / "run" / "summary.json").exists()
+
+
+@pytest.mark.slow
+def test_a_killed_worker_restarts_from_last_pt_and_ends_with_the_uninterrupted_weights(uninterrupted, tmp_path):
+    """Rank 1 is SIGKILLed after 60 steps (mid-epoch 2; last.pt holds epoch 1's end, step 47); torchrun
+    restarts the group once, every rank loads last.pt, and the run ends where the uninterrupted one did."""
+    a, _ = uninterrupted
+    out = tmp_path / "X"
+    proc = run_script("ddp", "--batch-size", "16", "--epochs", "2", "--out-dir", str(out), "--resume", "auto",
+                      "--fail-at-step", "60", "--fail-rank", "1", "--fail-mode", "kill", "--no-progress",
+                      launcher=torchrun(2, "--max-restarts", "1"), timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "exitcode: -9" in proc.stderr  # torchrun saw the SIGKILL ...
+    assert f"resuming {out / 'last.pt'} at epoch 1, step 47" in proc.stdout  # ... and the restart resumed
+    # Equal, not just close: the same samples in the same order from the same saved state (optimizer
+    # momentum included, which only a load on every rank restores: DDP broadcasts weights, not the optimizer).
+    assert max_param_diff(load_model_state(out), load_model_state(a)) == 0.0
+    with open(out / "metrics.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [int(r["epoch"]) for r in rows if r["split"] == "val"] == [0, 1]  # the lost steps 48-60 left no rows
+    train_steps = [int(r["step"]) for r in rows if r["split"] == "train"]
+    assert train_steps == sorted(set(train_steps)) and train_steps[-1] == 94
