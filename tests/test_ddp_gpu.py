@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import sys
 
-import pytest
 from conftest import cuda_devices, load_model_state, max_param_diff, run_script
 
 FLAGS = ["--device", "cuda", "--deterministic", "--lr", "0.2", "--no-progress"]

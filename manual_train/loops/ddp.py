@@ -31,7 +31,7 @@ Slurm: one task per node, each running torchrun (sbatch --nodes=2 --ntasks-per-n
   decisions ........ early stopping and the NaN abort from all-reduced numbers: every rank takes the same branch
   side effects ..... rank 0 alone (master_process) prints, logs and saves checkpoints; a barrier after saving
 Defaults (DEFAULTS below) differ from the baseline's in --batch-size only: 8 per rank, so 4 ranks train with
-the baseline's global batch of 32 and its learning rate and schedule (docs/ddp.md, "The demo's defaults").
+the baseline's global batch of 32 and its learning rate and schedule (docs/ddp.md, "The batch size, ...").
 """
 # <<< DDP
 from __future__ import annotations
@@ -119,7 +119,8 @@ class DDPConfig(Config):
 
 # The baseline's per-process defaults train well at world size 1. Under DDP --batch-size is per rank, so the
 # global batch grows with the ranks; 8 per rank gives the demo's 4 ranks the baseline's global batch of 32, and
-# with it the baseline's learning rate and schedule unchanged (same steps, same samples: the same model).
+# with it the baseline's learning rate and schedule unchanged: the same samples at every step as the baseline
+# (0.9798 val acc after 10 epochs, as it; 4 x 32 at lr 0.05 reaches 0.8586, and 0.9731 with linear LR scaling).
 DEFAULTS = dict(batch_size=8)
 
 
@@ -142,8 +143,9 @@ def inject_fault(cfg: DDPConfig, env: DistEnv, step: int, x: torch.Tensor) -> to
 
 def train(cfg: Config) -> dict:
     # ------------------------------------------------------------------ setup
-    # >>> DDP: who this process is (torchrun's environment) and its device; join the group, and leave it on
-    # every exit path (a rank that leaves without destroy_process_group can leave the others' collectives hanging)
+    # >>> DDP: who this process is (torchrun's environment) and its device; join the group, and leave it on every
+    # exit path: destroy_process_group frees the communicators (NCCL warns at exit without it) and lets the same
+    # process join another group later (the tests run several in one process)
     env = read_env()
     device = pick_device(cfg.device, env)  # cuda:LOCAL_RANK; setup() binds it before init_process_group
     setup(env, device, cfg.backend, cfg.dist_timeout_s)
@@ -373,7 +375,7 @@ def train_rank(cfg: DDPConfig, env: DistEnv, device: torch.device) -> dict:
         sums = torch.stack([loss_total, correct, count])
         dist.all_reduce(sums)
         loss_total, correct, count = sums
-    # <<< DDP
+        # <<< DDP
         val_loss, val_acc = (loss_total / count).item(), (correct / count).item()
         log.print(f"restored best weights (epoch {early.best_epoch + 1}): val_loss {val_loss:.4f} val_acc {val_acc:.4f}")
     summary = run_summary(
