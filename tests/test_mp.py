@@ -1,0 +1,193 @@
+"""Model parallelism (launch/mp.py, manual_train/loops/model_parallel.py, parallel.split_encoder_decoder).
+
+Parity with `--devices cpu,cpu`: the split model computes the one-device model's outputs and gradients,
+with and without micro-batches, and its loop trains the baseline's weights. The fill-drain schedule and
+its bubble arithmetic are checked against each other.
+"""
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+from conftest import cuda_devices, load_model_state, make_cfg, max_param_diff, run_script
+from manual_train import parallel
+from manual_train.cli import run as cli_run
+from manual_train.config import Config
+from manual_train.data import ReverseDigits
+from manual_train.loops import model_parallel, single
+from manual_train.metrics import CSV_COLUMNS, SUMMARY_KEYS
+from manual_train.models import Seq2Seq, loss_fn
+
+CPU = torch.device("cpu")
+# SGD for parity runs: Adam divides each gradient element by its running RMS, which turns rounding-level
+# differences in near-zero gradients (a GRU over 4 rows instead of 10 rounds differently) into
+# learning-rate-sized updates; with SGD they stay rounding-sized (~6e-8 here after 6 steps).
+SEQ = dict(dataset="reverse", model="seq2seq", synthetic_size=200, optimizer="sgd", lr=0.5, batch_size=10,
+           max_steps=6, log_every=2)
+
+
+def train_state(module, config_cls, tmp_path, name, **overrides):
+    cfg = make_cfg(tmp_path / name, config_cls, **overrides)
+    summary = module.train(cfg)
+    return load_model_state(tmp_path / name / "run"), summary
+
+
+def batch(n=10):
+    data = ReverseDigits(n, seed=3)
+    return data.x, data.y
+
+
+def outputs_and_grads(model, forward, x, y):
+    model.zero_grad(set_to_none=True)
+    logits = forward(x)
+    loss_fn(logits, y.to(logits.device)).backward()
+    return logits.detach().cpu(), {n: p.grad.cpu() for n, p in model.named_parameters()}
+
+
+def max_diff(a: dict, b: dict) -> float:
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+# ---------------------------------------------------------------------- the split module
+@pytest.mark.parametrize("microbatches", [1, 3])
+def test_split_equals_one_device(microbatches):
+    """Outputs and gradients of the split model (cpu,cpu) equal the model's own, micro-batched (4, 4, 2) or not."""
+    torch.manual_seed(0)
+    model = Seq2Seq(ReverseDigits.VOCAB)
+    reference = copy.deepcopy(model)
+    x, y = batch(10)
+    split = parallel.split_encoder_decoder(model, [CPU, CPU], microbatches)
+    assert split.encoder is model.encoder and split.decoder is model.decoder  # no copies: the model's own weights
+    out, grads = outputs_and_grads(model, split, x, y)
+    ref_out, ref_grads = outputs_and_grads(reference, reference, x, y)
+    assert (out - ref_out).abs().max() < 1e-6
+    assert max_diff(grads, ref_grads) < 1e-6
+
+
+def test_microbatch_losses_need_weighting():
+    """Why the pipeline concatenates the micro-batches' logits before one loss: averaging the micro-batches'
+    mean losses (tensor.chunk's sizes 4, 4, 2) gives another gradient; weighting each by its share of the batch does not."""
+    torch.manual_seed(0)
+    model = Seq2Seq(ReverseDigits.VOCAB)
+    x, y = batch(10)
+    _, full = outputs_and_grads(model, model, x, y)
+
+    def grads(weights):
+        model.zero_grad(set_to_none=True)
+        sum(w * loss_fn(model(xc), yc) for w, xc, yc in zip(weights, x.chunk(3), y.chunk(3))).backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    assert max_diff(grads([4 / 10, 4 / 10, 2 / 10]), full) < 1e-6
+    assert max_diff(grads([1 / 3] * 3), full) > 1e-4
+
+
+def test_fill_drain_schedule_and_bubble():
+    assert parallel.fill_drain_schedule(2, 3) == [[(0, 0)], [(0, 1), (1, 0)], [(0, 2), (1, 1)], [(1, 2)]]
+    for stages in (2, 3, 4):
+        for micro in (1, 2, 4, 8):
+            clocks = parallel.fill_drain_schedule(stages, micro)
+            runs = [(s, m, t) for t, clock in enumerate(clocks) for s, m in clock]
+            assert sorted((s, m) for s, m, _ in runs) == [(s, m) for s in range(stages) for m in range(micro)]
+            assert all(t == s + m for s, m, t in runs)  # stage s takes micro-batch m right after stage s-1
+            idle = stages * len(clocks) - len(runs)
+            assert idle / (stages * len(clocks)) == pytest.approx(parallel.bubble_fraction(stages, micro))
+            assert parallel.bubble_fraction(stages, micro) == pytest.approx((stages - 1) / (micro + stages - 1))
+
+
+def test_forward_issues_the_schedule():
+    """The split's forward calls encoder and decoder in the schedule's order (later stage first in a clock)."""
+    torch.manual_seed(0)
+    model = Seq2Seq(ReverseDigits.VOCAB)
+    calls = []
+    model.encoder.register_forward_pre_hook(lambda mod, args: calls.append((0, len(args[0]))))
+    model.decoder.register_forward_pre_hook(lambda mod, args: calls.append((1, len(args[0]))))
+    parallel.split_encoder_decoder(model, [CPU, CPU], microbatches=3)(batch(10)[0])
+    sizes = [4, 4, 2]  # tensor.chunk: ceil(10 / 3) rows each, the rest last
+    assert calls == [(s, sizes[m]) for clock in parallel.fill_drain_schedule(2, 3) for s, m in reversed(clock)]
+
+
+# ---------------------------------------------------------------------- the loop
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory):
+    return train_state(single, Config, tmp_path_factory.mktemp("single"), "s", **SEQ)
+
+
+@pytest.mark.parametrize("microbatches", [1, 3])
+def test_mp_loop_equals_baseline(tmp_path, baseline, microbatches):
+    base, base_summary = baseline
+    state, summary = train_state(model_parallel, model_parallel.MPConfig, tmp_path, "mp", devices="cpu,cpu",
+                                 microbatches=microbatches, **SEQ)
+    assert max_param_diff(base, state) < 1e-6
+    assert summary["final_val_loss"] == pytest.approx(base_summary["final_val_loss"], abs=1e-6)
+    assert summary["bubble_fraction"] == pytest.approx(1 / (microbatches + 1))
+
+
+def test_resume_continues_exactly(tmp_path):
+    common = dict(SEQ, microbatches=2, schedule="constant")
+    straight, _ = train_state(model_parallel, model_parallel.MPConfig, tmp_path, "a", **dict(common, max_steps=6))
+    model_parallel.train(make_cfg(tmp_path / "b", model_parallel.MPConfig, **dict(common, max_steps=3)))
+    summary = model_parallel.train(make_cfg(tmp_path / "b", model_parallel.MPConfig, resume="auto",
+                                            **dict(common, max_steps=6)))
+    assert summary["optimizer_steps"] == 6
+    assert max_param_diff(straight, load_model_state(tmp_path / "b" / "run")) == 0.0
+
+
+# ---------------------------------------------------------------------- bad input
+def test_bad_input_is_one_line(tmp_path, capsys):
+    from test_dp import cuda_missing_line
+
+    cases = [
+        (["--devices", "cpu"], "error: --devices: 1 device(s) given; model parallelism (encoder device, decoder "
+                               "device) needs exactly 2 (allowed: a comma list of cpu and cuda:N, e.g. cpu,cpu or "
+                               "cuda:0,cuda:1)"),
+        (["--devices", "cpu,npu:0"], "error: --devices: unknown device 'npu:0' (allowed: cpu, cuda:N)"),
+        (["--devices", "cuda:0,cuda:9"], cuda_missing_line("--devices", "cuda:0, cuda:9", 9)),
+        (["--microbatches", "33"], "error: --microbatches: 33 micro-batches cannot be cut from a batch of 32 "
+                                   "(allowed: <= --batch-size (32))"),
+        (["--microbatches", "0"], "error: --microbatches: 0 is out of range (allowed: >= 1)"),
+        (["--dataset", "digits", "--model", "cnn"], "error: --model: model parallelism splits seq2seq's encoder and "
+                                                    "decoder; cnn has no such halves (allowed: seq2seq (with "
+                                                    "--dataset reverse))"),
+    ]
+    for argv, line in cases:
+        out_dir = tmp_path / "never"
+        rc = cli_run(model_parallel.train, model_parallel.MPConfig, script="mp",
+                     argv=argv + ["--out-dir", str(out_dir)], **model_parallel.DEFAULTS)
+        assert (rc, capsys.readouterr().err) == (2, line + "\n"), argv
+        assert not out_dir.exists()
+
+
+# ---------------------------------------------------------------------- the script as a user runs it
+def test_script_defaults_and_outputs(tmp_path):
+    """launch/mp.py defaults to the reverse task (adamw) and writes the outputs contract."""
+    out_dir = tmp_path / "run"
+    result = run_script("mp", "--synthetic-size", "64", "--microbatches", "2", "--max-steps", "2", "--no-progress",
+                        "--out-dir", str(out_dir), timeout=180)
+    assert result.returncode == 0, result.stderr
+    assert "encoder on cpu, decoder on cpu; 2 micro-batch(es) of [16, 16]" in result.stdout
+    assert (out_dir / "metrics.csv").read_text().splitlines()[0].split(",") == list(CSV_COLUMNS)
+    summary = json.loads((out_dir / "summary.json").read_text())
+    assert set(SUMMARY_KEYS) <= summary.keys() and summary["bubble_fraction"] == pytest.approx(1 / 3)
+    ckpt = torch.load(out_dir / "best.pt", map_location="cpu", weights_only=True)
+    assert {k: ckpt["config"][k] for k in model_parallel.DEFAULTS if k != "synthetic_size"} == \
+        {k: v for k, v in model_parallel.DEFAULTS.items() if k != "synthetic_size"}
+    assert torch.load(out_dir / "last.pt", map_location="cpu", weights_only=True)["step"] == 2
+
+
+# ---------------------------------------------------------------------- GPUs
+@pytest.mark.parametrize("microbatches", [pytest.param(m, marks=cuda_devices(2)) for m in (1, 4)])
+def test_gpu_split_equals_one_gpu(microbatches):
+    devices = [torch.device("cuda:0"), torch.device("cuda:1")]
+    torch.manual_seed(0)
+    model = Seq2Seq(ReverseDigits.VOCAB)
+    reference = copy.deepcopy(model).to(devices[0])
+    x, y = batch(32)
+    split = parallel.split_encoder_decoder(model, devices, microbatches)
+    assert {p.device for p in model.encoder.parameters()} == {devices[0]}
+    assert {p.device for p in model.decoder.parameters()} == {devices[1]}
+    out, grads = outputs_and_grads(model, split, x, y)
+    ref_out, ref_grads = outputs_and_grads(reference, reference, x.to(devices[0]), y)
+    assert (out - ref_out).abs().max() < 1e-5 and max_diff(grads, ref_grads) < 1e-5  # cuDNN GRU rounding
