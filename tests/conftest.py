@@ -55,3 +55,14 @@ def cuda_devices(n: int = 1):
 
 def replace(cfg: Config, **changes) -> Config:
     return dataclasses.replace(cfg, **changes)
+
+
+def needs_cuda(n: int = 1):
+    """Decorator: mark gpu, and skip unless at least n CUDA devices exist."""
+
+    def decorate(fn):
+        for mark in cuda_devices(n):
+            fn = mark(fn)
+        return fn
+
+    return decorate
