@@ -21,6 +21,7 @@ What is proven here (docs/ddp.md cites these names):
 from __future__ import annotations
 
 import copy
+import csv
 import json
 import multiprocessing
 import os
@@ -37,12 +38,13 @@ from manual_train.config import Config
 from manual_train.early_stopping import EarlyStopping
 from manual_train.evaluation import evaluate
 from manual_train.loops import ddp, single
+from manual_train.metrics import CSV_COLUMNS, SUMMARY_KEYS
 from manual_train.models import build_model, loss_fn
 from manual_train.precision import Precision
 
 GLOBAL_BATCH = 32  # every parity run: one optimizer step averages 32 samples (47 steps per epoch of digits)
 TOL = 1e-6
-PRECISION_STEPS = 10
+PRECISION_STEPS = 6
 LR = 0.2  # one epoch at the default 0.05 leaves the model near chance; at 0.2 it reaches ~0.6 val accuracy
 # Early stopping: monitor val_acc and stop at the first evaluation without a gain of more than 0.5 points.
 # Ranks' own 74-sample shards move in steps of 1/74 (1.35 points) and stall at different epochs.
@@ -190,7 +192,7 @@ def _rank_main(rank: int, world_size: int, ports: list, out_dir: str, scenarios:
             results[name] = _scenario_nan(world_size, out / name)
         else:  # parity scenarios: "parity", "parity_accumulate", "parity_16-o2", ...
             kwargs = {"accumulate": 2} if name == "parity_accumulate" else {}
-            if name.startswith("parity_16"):  # fp16 is slow on this CPU: 10 steps, not an epoch
+            if name.startswith("parity_16"):  # fp16 is slow on this CPU: a few steps, not an epoch
                 kwargs.update(precision=name[len("parity_"):], max_steps=PRECISION_STEPS)
             results[name] = _scenario_parity(world_size, out / name, **kwargs)
     (out / f"rank{rank}.json").write_text(json.dumps(results))
@@ -210,7 +212,8 @@ def run_job(world_size: int, out_dir: Path, scenarios: list) -> list[dict]:
     """Start world_size ranks, wait for them (an exception in any rank fails the job), return their results."""
     # The forkserver imports torch and the loops once; every rank is then a fork of it (no 5 s import each).
     # Its children never inherit this process's thread pools, unlike a plain fork of the test process.
-    multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "manual_train.loops.ddp",
+    # torch._dynamo too: DDP's constructor imports it (~900 modules, seconds) the first time in each process.
+    multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "manual_train.loops.ddp",
                                             "manual_train.loops.single", "sklearn.datasets"])
     out_dir.mkdir(parents=True, exist_ok=True)
     tmp_mp.start_processes(_rank_main, args=(world_size, _free_ports(len(scenarios)), str(out_dir), scenarios),
@@ -252,6 +255,26 @@ def test_n_ranks_with_batch_b_equal_one_process_with_batch_n_times_b(world_size,
     assert diff < TOL, f"{world_size} ranks ({scenario}) vs one process with batch 32: max abs diff {diff:.3g}"
     assert all(r[scenario]["optimizer_steps"] == 47 for r in results)  # ceil(1500 / 32), last window partial
     assert results[0][scenario]["samples_seen"] == 1500 and results[0][scenario]["global_batch_size"] == 32
+
+
+def test_four_ranks_write_the_outputs_contract_from_rank_0(job4):
+    """The demo's configuration (8 per rank x 4 ranks) for one epoch: rank 0's files, the whole group's numbers."""
+    out, results = job4
+    run_dir = out / "parity" / "run"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert set(SUMMARY_KEYS) <= summary.keys()
+    assert summary["script"] == "ddp" and summary["world_size"] == 4 and summary["global_batch_size"] == 32
+    assert summary["samples_seen"] == 1500 and summary["optimizer_steps"] == 47
+    assert summary["final_val_acc"] == results[0]["parity"]["final_val_acc"]
+    with open(run_dir / "metrics.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert tuple(rows[0].keys()) == CSV_COLUMNS
+    # one row per log step (every 10 steps and the epoch's last), written once: rank 0 alone writes
+    assert [int(r["step"]) for r in rows if r["split"] == "train"] == [10, 20, 30, 40, 47]
+    ckpt = torch.load(run_dir / "last.pt", weights_only=True)
+    assert ckpt["world_size"] == 4 and ckpt["step"] == 47 and ckpt["epoch"] == 1
+    assert not any(k.startswith("module.") for k in ckpt["model"]), "the unwrapped model is saved"
+    assert not list(run_dir.glob(".*tmp*")), "no temporary files left behind"
 
 
 def test_parity_check_can_fail(job4, single32, tmp_path):

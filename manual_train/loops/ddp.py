@@ -84,7 +84,7 @@ class DDPConfig(Config):
                                "(CUDA only)")
     fail_at_step: Optional[int] = arg(None, "FOR TESTING: make --fail-rank fail once this many optimizer steps are "
                                             "done (on torchrun's first attempt only, so a restart recovers)", min=0)
-    fail_rank: Optional[int] = arg(None, "FOR TESTING: the rank that fails at --fail-at-step (default 0)", min=0)
+    fail_rank: int = arg(0, "FOR TESTING: the rank that fails at --fail-at-step", min=0)
     fail_mode: str = arg("raise", "FOR TESTING: how --fail-rank fails: raise an exception, kill itself with "
                                   "SIGKILL (no cleanup), or get a NaN batch", choices=("raise", "kill", "nan"))
 
@@ -107,9 +107,9 @@ class DDPConfig(Config):
                 raise UsageError("--nproc_per_node", f"{env.local_world_size} ranks on this node but only "
                                                      f"{torch.cuda.device_count()} CUDA device(s)",
                                  f"at most {torch.cuda.device_count()}, or --device cpu")
-        if self.fail_rank is not None and self.fail_at_step is None:
+        if self.fail_rank and self.fail_at_step is None:
             raise UsageError("--fail-rank", "needs --fail-at-step (test-only fault injection)")
-        if self.fail_rank is not None and self.fail_rank >= env.world_size:
+        if self.fail_rank >= env.world_size:
             raise UsageError("--fail-rank", f"rank {self.fail_rank} does not exist in a world of {env.world_size}",
                              f"0..{env.world_size - 1}")
         if self.fail_mode == "nan" and self.dataset == "reverse":
@@ -131,7 +131,7 @@ def inject_fault(cfg: DDPConfig, env: DistEnv, step: int, x: torch.Tensor) -> to
     restarts after it (--max-restarts) runs clean, which is what a transient fault (a lost node) looks like.
     """
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-    if cfg.fail_at_step is None or step != cfg.fail_at_step or env.rank != (cfg.fail_rank or 0) or attempt:
+    if cfg.fail_at_step is None or step != cfg.fail_at_step or env.rank != cfg.fail_rank or attempt:
         return x
     if cfg.fail_mode == "kill":
         os.kill(os.getpid(), signal.SIGKILL)  # a hard crash: no exception, no finally, no destroy_process_group
