@@ -1,0 +1,564 @@
+"""CPU entries: what each technique buys on this machine's CPU (`python -m manual_train.bench --suite cpu`).
+
+Each entry is one function `entry(bench) -> Outcome` listed in ENTRIES at the bottom; the functions
+whose names start with `_` and end in `_child` run inside fresh processes (harness.Bench.child) and
+return plain numbers. Where an entry measures a project technique it runs the project's code
+(loops.single.train through its CLI config, data.build_loader, evaluation.evaluate); only the
+baselines that the project deliberately does not contain (a 10-line loop, grad-enabled evaluation,
+the retained-graph logging anti-pattern) are written here.
+
+Adding an entry (e.g. the ZeRO per-rank bytes once manual_train/zero.py lands): write one function
+that returns an Outcome and add it to ENTRIES.
+"""
+from __future__ import annotations
+
+import csv
+import functools
+import tempfile
+import time
+from pathlib import Path
+
+from manual_train.bench.harness import Bench, Goal, Outcome, interleave, mib, ratio_row, value_row
+
+# What the two source articles (docs/benchmarks.md quotes them) promise, per technique.
+CLAIM_WORKERS = "num_workers = CPU count (art. 2); num_workers=10 is the fast way (art. 1)"
+CLAIM_LOGGING = "losses.append(loss) keeps the graph and blows up memory (art. 1)"
+CLAIM_NO_GRAD = "no_grad stores no activations: less memory, bigger batches, faster eval (art. 2)"
+CLAIM_ACCUM = "accumulation gives a big batch's gradient in limited memory (art. 1)"
+CLAIM_EARLY = "stop after 10 evaluations without improvement; best model within tens of epochs (art. 2)"
+CLAIM_AMP = "mixed precision 1.5-2x faster (art. 2), half the memory (art. 1) - on GPUs"
+
+
+# ---------------------------------------------------------------------- shared helpers (run in children)
+def _config(*argv: str):
+    """A validated config built exactly as the launch scripts build it."""
+    from manual_train.config import Config, parse_config
+
+    return parse_config(Config, list(argv))
+
+
+def _train(run_dir: Path, *argv: str) -> dict:
+    """loops.single.train with these flags, writing into run_dir (which must not exist yet)."""
+    from manual_train.loops.single import train
+
+    return train(_config(*argv, "--no-progress", "--out-dir", str(run_dir)))
+
+
+def _csv_window_s(metrics_csv: Path, first: int, last: int) -> float:
+    """Seconds between the train rows logged at optimizer steps `first` and `last` (the loop's own clock)."""
+    with open(metrics_csv) as f:
+        times = {int(r["step"]): float(r["time_s"]) for r in csv.DictReader(f) if r["split"] == "train"}
+    return times[last] - times[first]
+
+
+def _digits_tensors():
+    from manual_train import data
+
+    train_ds, _, info = data.build_datasets(_config("--dataset", "digits"))
+    return train_ds.tensors, info
+
+
+# ---------------------------------------------------------------------- loop overhead
+LOOP_ARGS = ("--model", "mlp", "--dataset", "digits", "--batch-size", "8", "--epochs", "1", "--log-every", "20")
+
+
+def _ours_window_s(first: int, last: int) -> float:
+    with tempfile.TemporaryDirectory() as tmp:
+        _train(Path(tmp) / "run", *LOOP_ARGS)
+        return _csv_window_s(Path(tmp) / "run" / "metrics.csv", first, last)
+
+
+def _bare_setup():
+    """The data order, initial weights and optimizer loops.single.train would use, built the same way."""
+    import torch
+
+    from manual_train import data
+    from manual_train.models import build_model
+    from manual_train.optim import build_optimizer
+
+    cfg = _config(*LOOP_ARGS)
+    train_ds, _, info = data.build_datasets(cfg)
+    sampler = data.train_sampler(train_ds, cfg.seed)
+    sampler.set_epoch(0)
+    loader = data.build_loader(train_ds, cfg, torch.device("cpu"), batch_size=cfg.batch_size, sampler=sampler)
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg.model, info)
+    return loader, model, build_optimizer(cfg, model.parameters(), cfg.lr)
+
+
+def _bare_window_s(first: int, last: int) -> float:
+    from manual_train.models import loss_fn
+
+    loader, model, optimizer = _bare_setup()
+    # The bare loop: forward, backward, step. No accumulation, precision, logging, schedule or eval.
+    for step, (x, y) in enumerate(loader, start=1):
+        optimizer.zero_grad()
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        optimizer.step()
+        if step == first:
+            t_first = time.perf_counter()
+        if step == last:
+            return time.perf_counter() - t_first
+    raise RuntimeError(f"the epoch ended before step {last}")
+
+
+def _lightning_module():
+    try:
+        import lightning.pytorch as pl
+    except ImportError:
+        import pytorch_lightning as pl
+    return pl
+
+
+def _lightning_window_s(first: int, last: int) -> float:
+    """The same work through Lightning's Trainer. The clock is read in training_step: at the start of
+    batch k, k steps are done, which is where the other two read theirs."""
+    from manual_train.models import loss_fn
+
+    pl = _lightning_module()
+    loader, model, optimizer = _bare_setup()
+
+    class Timed(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model, self.marks = model, {}
+
+        def training_step(self, batch, batch_idx):
+            if batch_idx in (first, last):
+                self.marks[batch_idx] = time.perf_counter()
+            x, y = batch
+            return loss_fn(self.model(x), y)
+
+        def configure_optimizers(self):
+            return optimizer
+
+    module = Timed()
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=last + 1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+                         num_sanity_val_steps=0)
+    trainer.fit(module, train_dataloaders=loader)
+    return module.marks[last] - module.marks[first]
+
+
+def _loop_overhead_child(repeats: int, first: int, last: int) -> dict:
+    variants = {"ours": functools.partial(_ours_window_s, first, last),
+                "bare": functools.partial(_bare_window_s, first, last)}
+    try:
+        _lightning_module()
+        variants["lightning"] = functools.partial(_lightning_window_s, first, last)
+    except ImportError:
+        pass
+    return interleave(variants, repeats, warmup=1)
+
+
+def loop_overhead(bench: Bench) -> Outcome:
+    first, last = 20, 180
+    raw = bench.child(_loop_overhead_child, repeats=bench.repeats(5, 15), first=first, last=last)
+    metric = f"time of steps {first + 1}-{last} (mlp, digits, batch 8)"
+    rows = [ratio_row(bench.entry, "10-line bare loop", "loops.single.train", metric, raw["bare"], raw["ours"],
+                      claim="(no number claimed)", goal=Goal("<=", 1.05))]
+    notes = ["ours includes what the bare loop leaves out: accumulation weights, the AMP calls (no-ops in "
+             "32-true), device-side loss/accuracy sums, the LR schedule, a CSV row and host sync every 20 steps."]
+    if "lightning" in raw:
+        rows.append(ratio_row(bench.entry, "Lightning Trainer.fit", "loops.single.train", metric, raw["lightning"],
+                              raw["ours"], claim="Lightning automates these speed-ups (art. 1, 2)",
+                              goal=Goal("<=", 0.5)))
+    else:
+        notes.append("ours/Lightning not measured: pytorch-lightning is not installed here "
+                     "(pip install -e '.[compare]' adds it).")
+    return Outcome(rows, raw, notes)
+
+
+# ---------------------------------------------------------------------- data loading
+class EncodedImages:
+    """A CPU-bound dataset: JPEG bytes decoded and augmented (torchvision transforms) per sample.
+
+    What an ImageNet-style loader does per sample, minus the disk: decode, random resized crop, flip,
+    convert and normalise. Images are smooth random fields (noise would not compress like photos).
+    """
+
+    def __init__(self, size: int, side: int = 96, crop: int = 64, seed: int = 0):
+        import torch
+        import torch.nn.functional as F
+        from torchvision.io import encode_jpeg
+        from torchvision.transforms import v2 as T
+
+        g = torch.Generator().manual_seed(seed)
+        self.blobs = []
+        for _ in range(size):
+            coarse = torch.rand(1, 3, side // 8, side // 8, generator=g)
+            image = F.interpolate(coarse, size=(side, side), mode="bilinear", align_corners=False)[0]
+            self.blobs.append(encode_jpeg((image * 255).to(torch.uint8), quality=90))
+        self.transform = T.Compose([T.RandomResizedCrop(crop, antialias=True), T.RandomHorizontalFlip(),
+                                    T.ToDtype(torch.float32, scale=True),
+                                    T.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))])
+
+    def __len__(self) -> int:
+        return len(self.blobs)
+
+    def __getitem__(self, i: int):
+        from torchvision.io import decode_jpeg
+
+        return self.transform(decode_jpeg(self.blobs[i])), i % 10
+
+
+def _epoch_throughput(loader, samples: int) -> float:
+    t0 = time.perf_counter()
+    for _ in loader:
+        pass
+    return samples / (time.perf_counter() - t0)
+
+
+def _loader_child(kind: str, workers: tuple, samples: int, batch_size: int, latency_s: float, repeats: int) -> dict:
+    import torch
+    from torch.utils.data import Subset
+
+    from manual_train import data
+
+    if kind == "io":
+        (x, y), _ = _digits_tensors()
+        dataset = data.SlowReads(Subset(torch.utils.data.TensorDataset(x, y), range(samples)), latency_s)
+    else:
+        dataset = EncodedImages(samples)
+    loaders = {}
+    for w in workers:
+        # persistent workers: the timed epochs measure loading, not forking; the warm-up round starts them
+        cfg = _config("--num-workers", str(w), *(["--persistent-workers"] if w else []))
+        loaders[f"workers={w}"] = data.build_loader(dataset, cfg, torch.device("cpu"), batch_size=batch_size)
+    result = interleave({name: functools.partial(_epoch_throughput, loader, samples)
+                         for name, loader in loaders.items()}, repeats, warmup=1)
+    del loaders  # shuts the worker processes down before the child reports
+    return result
+
+
+def data_io(bench: Bench) -> Outcome:
+    latency_s, samples, workers = 0.002, bench.pick(512, 1024), (0, 2, 4)
+    raw = bench.child(_loader_child, kind="io", workers=workers, samples=samples, batch_size=32,
+                      latency_s=latency_s, repeats=bench.repeats(3, 7))
+    metric = f"samples/s, data.SlowReads {latency_s * 1000:g} ms/sample, batch 32"
+    rows = [ratio_row(bench.entry, "num_workers=0", f"num_workers={w}", metric, raw["workers=0"], raw[f"workers={w}"],
+                      better="higher", claim=CLAIM_WORKERS, goal=Goal(">=", 3.2) if w == 4 else None)
+            for w in workers[1:]]
+    notes = ["The read latency is a sleep, so workers overlap it without using CPU: the I/O-bound case, where "
+             "workers pay off even on 2 cores."]
+    return Outcome(rows, raw, notes)
+
+
+def data_cpu(bench: Bench) -> Outcome:
+    samples, workers = bench.pick(384, 1024), (0, 2, 4)
+    raw = bench.child(_loader_child, kind="decode", workers=workers, samples=samples, batch_size=32,
+                      latency_s=0.0, repeats=bench.repeats(2, 5))
+    metric = "samples/s, JPEG decode + RandomResizedCrop + flip + normalise"
+    rows = [ratio_row(bench.entry, "num_workers=0", f"num_workers={w}", metric, raw["workers=0"], raw[f"workers={w}"],
+                      better="higher", claim=CLAIM_WORKERS) for w in workers[1:]]
+    notes = ["CPU-bound loading can only go as fast as the free cores: reported, with no goal, on a 2-core "
+             "machine shared with other work."]
+    return Outcome(rows, raw, notes)
+
+
+# ---------------------------------------------------------------------- loss logging
+LOG_VARIANTS = {
+    "append": "losses.append(loss)",
+    "sum": "total = total + loss",
+    "item": "losses.append(loss.item())",
+    "ours": "ours: sum of loss.detach(), .item() every 10 steps",
+}
+
+
+def _logging_growth_child(variant: str, steps: int, warmup: int, sample_every: int, log_every: int) -> dict:
+    """RSS over `steps` training steps that log the loss the `variant` way; slope by least squares."""
+    import torch
+
+    from manual_train.bench.harness import rss_bytes
+    from manual_train.models import build_model, loss_fn
+    from manual_train.optim import build_optimizer
+
+    (x_all, y_all), info = _digits_tensors()
+    torch.manual_seed(0)
+    model = build_model("mlp", info)
+    optimizer = build_optimizer(_config(), model.parameters(), 0.05)
+    batch = 32
+    kept = []  # whatever the logging holds on to
+    total = [torch.zeros(())]
+    loss_sum = torch.zeros(())
+
+    def step(i: int) -> None:
+        nonlocal loss_sum
+        j = (i * batch) % (len(y_all) - batch)
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss_fn(model(x_all[j:j + batch]), y_all[j:j + batch])
+        loss.backward()
+        optimizer.step()
+        if variant == "append":
+            kept.append(loss)  # the tensor keeps its grad_fn, and through it the step's autograd graph
+        elif variant == "sum":
+            total[0] = total[0] + loss  # each sum is a new node chained to every earlier step's graph
+        elif variant == "item":
+            kept.append(loss.item())  # a Python float: nothing retained, but a host sync every step on GPUs
+        else:
+            loss_sum += loss.detach()  # as loops.single: no graph, no sync
+            if (i + 1) % log_every == 0:
+                kept.append(loss_sum.item() / log_every)
+                loss_sum = torch.zeros(())
+
+    for i in range(warmup):
+        step(i)
+    kept.clear()
+    total[0] = torch.zeros(())
+    samples = []
+    for i in range(steps):
+        step(i)
+        if (i + 1) % sample_every == 0:
+            samples.append((i + 1, rss_bytes()))
+    n = len(samples)
+    mean_s = sum(s for s, _ in samples) / n
+    mean_r = sum(r for _, r in samples) / n
+    slope = (sum((s - mean_s) * (r - mean_r) for s, r in samples) / sum((s - mean_s) ** 2 for s, _ in samples))
+    return {"slope_bytes_per_step": slope, "growth_bytes": slope * steps, "rss_samples": samples}
+
+
+def _loop_growth_child(short_steps: int, long_steps: int) -> dict:
+    """Peak RSS that loops.single.train adds in a short and a long run: the difference is what it keeps."""
+    from manual_train.bench.harness import peak_rss_delta
+
+    args = ("--model", "mlp", "--batch-size", "32", "--log-every", "10", "--early-stop-patience", "0")
+    with tempfile.TemporaryDirectory() as tmp:
+        _train(Path(tmp) / "warmup", *args, "--max-steps", "20")
+        _, short = peak_rss_delta(lambda: _train(Path(tmp) / "short", *args, "--max-steps", str(short_steps)))
+        _, long = peak_rss_delta(lambda: _train(Path(tmp) / "long", *args, "--max-steps", str(long_steps)))
+    return {"short_peak_delta_bytes": short, "long_peak_delta_bytes": long}
+
+
+def loss_logging(bench: Bench) -> Outcome:
+    steps, repeats = 500, bench.repeats(1, 3)
+    raw = {v: [] for v in LOG_VARIANTS}
+    raw["loop"] = []
+    for _ in range(repeats):  # interleaved: each variant once per round, each in a fresh process
+        for variant in LOG_VARIANTS:
+            raw[variant].append(bench.child(_logging_growth_child, variant=variant, steps=steps, warmup=50,
+                                            sample_every=10, log_every=10))
+        raw["loop"].append(bench.child(_loop_growth_child, short_steps=50, long_steps=steps))
+    entry, base = bench.entry, "(memory before the steps)"
+    rows = [value_row(entry, base, LOG_VARIANTS[v], "RSS growth per step, mlp on digits",
+                      [mib(r["slope_bytes_per_step"]) for r in raw[v]], unit="MB/step", claim=CLAIM_LOGGING)
+            for v in ("append", "sum")]
+    rows += [value_row(entry, base, LOG_VARIANTS[v], f"RSS growth over {steps} steps (fitted)",
+                       [mib(r["growth_bytes"]) for r in raw[v]], unit="MB", claim=CLAIM_LOGGING,
+                       goal=Goal("<=", 1.0) if v == "ours" else None) for v in ("item", "ours")]
+    loop_growth = [mib(r["long_peak_delta_bytes"] - r["short_peak_delta_bytes"]) for r in raw["loop"]]
+    rows.append(value_row(entry, "loops.single.train, 50 steps", f"loops.single.train, {steps} steps",
+                          "extra peak RSS of the longer run", loop_growth, unit="MB", claim=CLAIM_LOGGING,
+                          goal=Goal("<=", 1.0)))
+    notes = ["With backward() every step the retained graph holds autograd nodes, not activations (backward "
+             "frees saved tensors): the anti-pattern leaks kilobytes per step, which is gigabytes over a long run. "
+             "Appending an undetached loss where no backward runs (e.g. validation without no_grad) keeps "
+             "every activation as well."]
+    return Outcome(rows, raw, notes)
+
+
+# ---------------------------------------------------------------------- evaluation
+def evaluate_with_grad(model, loader, device):
+    """evaluation.evaluate without its no_grad/inference_mode context: the baseline users get by forgetting it.
+
+    The sums take .detach(): without it every batch's graph stays chained to loss_sum (the loss_logging
+    anti-pattern), and memory would grow with the number of batches rather than the batch size.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    from manual_train.models import correct_count
+
+    model.eval()
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    correct = torch.zeros((), dtype=torch.float64, device=device)
+    count = torch.zeros((), dtype=torch.float64, device=device)
+    for x, y in loader:
+        x, y = x.to(device), y.to(device)
+        logits = model(x)
+        loss_sum += F.cross_entropy(logits.flatten(0, -2).float(), y.flatten(), reduction="sum").detach()
+        correct += correct_count(logits, y)
+        count += y.numel()
+    return loss_sum, correct, count
+
+
+EVAL_ARGS = ("--dataset", "synthetic", "--synthetic-shape", "3,32,32", "--model", "cnn")
+
+
+def _eval_child(mode: str, samples: int, batch_size: int) -> dict:
+    import torch
+    from torch.utils.data import TensorDataset
+
+    from manual_train import data
+    from manual_train.bench.harness import peak_rss_delta
+    from manual_train.evaluation import evaluate
+    from manual_train.models import build_model
+    from manual_train.precision import Precision
+
+    cpu = torch.device("cpu")
+    cfg = _config(*EVAL_ARGS, "--synthetic-size", str(4 * samples), "--eval-batch-size", str(batch_size))
+    _, val_ds, info = data.build_datasets(cfg)
+    # materialised up front, so the timed pass measures the model, not SyntheticImages' generator
+    xs, ys = zip(*(val_ds[i] for i in range(len(val_ds))))
+    loader = data.build_loader(TensorDataset(torch.stack(xs), torch.tensor(ys)), cfg, cpu, batch_size=batch_size)
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg.model, info)
+    amp = Precision(cfg, cpu)
+    if mode == "grad":
+        run = functools.partial(evaluate_with_grad, model, loader, cpu)
+    else:
+        run = functools.partial(evaluate, model, loader, cpu, amp, mode)
+    run()  # warm-up: kernels and thread pools initialised outside the measurement
+    t0 = time.perf_counter()
+    (loss_sum, _, count), delta = peak_rss_delta(run)
+    return {"time_s": time.perf_counter() - t0, "peak_delta_bytes": delta, "val_loss": (loss_sum / count).item()}
+
+
+EVAL_MODES = {"grad": "grad-enabled", "no_grad": "torch.no_grad", "inference": "torch.inference_mode"}
+
+
+def evaluation(bench: Bench) -> Outcome:
+    samples, batch_size = bench.pick(512, 1024), 256
+    raw = {m: [] for m in EVAL_MODES}
+    for _ in range(bench.repeats(2, 5)):
+        for mode in EVAL_MODES:
+            raw[mode].append(bench.child(_eval_child, mode=mode, samples=samples, batch_size=batch_size))
+
+    def column(mode, key):
+        return [r[key] for r in raw[mode]]
+
+    entry, what = bench.entry, f"cnn, synthetic 3x32x32, {samples} samples, batch {batch_size}"
+    rows = [
+        ratio_row(entry, "grad-enabled", "evaluation.evaluate (no_grad)", f"peak RSS added ({what})",
+                  column("grad", "peak_delta_bytes"), column("no_grad", "peak_delta_bytes"), claim=CLAIM_NO_GRAD,
+                  goal=Goal("<=", 0.5)),
+        ratio_row(entry, "grad-enabled", "evaluation.evaluate (inference_mode)", "peak RSS added",
+                  column("grad", "peak_delta_bytes"), column("inference", "peak_delta_bytes"), claim=CLAIM_NO_GRAD),
+        ratio_row(entry, "grad-enabled", "evaluation.evaluate (no_grad)", "time of one pass",
+                  column("grad", "time_s"), column("no_grad", "time_s"), claim=CLAIM_NO_GRAD),
+        ratio_row(entry, "no_grad", "inference_mode", "time of one pass",
+                  column("no_grad", "time_s"), column("inference", "time_s")),
+    ]
+    notes = ["Memory: peak RSS above the pass's starting RSS, in a fresh process after a warm-up pass, with "
+             "glibc's malloc set to return freed blocks to the OS (see harness.py); equal val_loss in every "
+             "mode checks that the three passes computed the same thing."]
+    losses = {m: column(m, "val_loss")[0] for m in EVAL_MODES}
+    if max(losses.values()) - min(losses.values()) > 1e-5:
+        notes.append(f"WARNING: the modes disagree on val_loss: {losses}")
+    return Outcome(rows, raw, notes)
+
+
+# ---------------------------------------------------------------------- gradient accumulation
+ACCUM_ARGS = ("--dataset", "synthetic", "--synthetic-size", "256", "--synthetic-shape", "3,32,32", "--model", "cnn",
+              "--eval-batch-size", "16", "--early-stop-patience", "0", "--log-every", "1")
+
+
+def _accumulation_child(batch_size: int, accumulate: int, steps: int) -> dict:
+    from manual_train.bench.harness import peak_rss_delta
+
+    args = (*ACCUM_ARGS, "--batch-size", str(batch_size), "--accumulate", str(accumulate))
+    with tempfile.TemporaryDirectory() as tmp:
+        _train(Path(tmp) / "warmup", *args, "--max-steps", "1")
+        summary, delta = peak_rss_delta(lambda: _train(Path(tmp) / "run", *args, "--max-steps", str(steps)))
+    return {"peak_delta_bytes": delta, "final_val_loss": summary["final_val_loss"]}
+
+
+ACCUM_CONFIGS = {"64x1": (64, 1), "16x4": (16, 4), "1x64": (1, 64)}
+
+
+def accumulation(bench: Bench) -> Outcome:
+    raw = {name: [] for name in ACCUM_CONFIGS}
+    for _ in range(bench.repeats(1, 3)):
+        for name, (b, k) in ACCUM_CONFIGS.items():
+            raw[name].append(bench.child(_accumulation_child, batch_size=b, accumulate=k, steps=2))
+    peak = {name: [r["peak_delta_bytes"] for r in runs] for name, runs in raw.items()}
+    entry, what = bench.entry, "loops.single.train, cnn, synthetic 3x32x32, global batch 64"
+    rows = [
+        ratio_row(entry, "batch 64", "batch 16 x accumulate 4", f"peak RSS added by the run ({what})",
+                  peak["64x1"], peak["16x4"], claim=CLAIM_ACCUM, goal=Goal("<=", 0.35)),
+        ratio_row(entry, "batch 64", "batch 1 x accumulate 64", "peak RSS added by the run", peak["64x1"],
+                  peak["1x64"], claim=CLAIM_ACCUM),
+    ]
+    notes = ["The run's whole added peak is compared, weights, optimizer state and evaluation included, so the "
+             "ratio is an upper bound on the activation ratio (ideal: 1/K). The runs take the same optimizer steps "
+             "to the same weights (tests/test_accumulation.py proves it to ~1e-8).",
+             "added peak RSS, MB (64x1 / 16x4 / 1x64): " + " / ".join(f"{mib(peak[n][0]):.1f}" for n in ACCUM_CONFIGS)
+             + "; final val_loss: " + " / ".join(f"{raw[n][0]['final_val_loss']:.6f}" for n in ACCUM_CONFIGS)]
+    return Outcome(rows, raw, notes)
+
+
+# ---------------------------------------------------------------------- early stopping
+def _early_stopping_child(epochs: int, patience: int, repeats: int) -> dict:
+    args = ("--model", "mlp", "--dataset", "digits", "--epochs", str(epochs))
+    tmp = tempfile.TemporaryDirectory()
+    counter = iter(range(10 ** 6))
+
+    def run(patience_: int) -> dict:
+        s = _train(Path(tmp.name) / f"run{next(counter)}", *args, "--early-stop-patience", str(patience_))
+        return {k: s[k] for k in ("wall_s", "epochs_run", "best_epoch", "best_val_loss", "stopped_early")}
+
+    _train(Path(tmp.name) / "warmup", "--model", "mlp", "--dataset", "digits", "--epochs", "1")  # first-call costs
+    result = interleave({"fixed": functools.partial(run, 0), "early": functools.partial(run, patience)},
+                        repeats, warmup=0)
+    tmp.cleanup()
+    return result
+
+
+def early_stopping(bench: Bench) -> Outcome:
+    epochs, patience = 40, 10
+    raw = bench.child(_early_stopping_child, epochs=epochs, patience=patience, repeats=bench.repeats(1, 3))
+    fixed, early = raw["fixed"], raw["early"]
+    entry, base, var = bench.entry, f"fixed {epochs} epochs", f"--early-stop-patience {patience}"
+    rows = [
+        ratio_row(entry, base, var, "wall time of the run (mlp, digits, cosine LR)", [r["wall_s"] for r in fixed],
+                  [r["wall_s"] for r in early], claim=CLAIM_EARLY),
+        value_row(entry, base, var, "epochs run", [r["epochs_run"] for r in early], unit="epochs", claim=CLAIM_EARLY),
+        value_row(entry, base, var, "best val_loss, early minus fixed",
+                  [e["best_val_loss"] - f["best_val_loss"] for e, f in zip(early, fixed)], claim=CLAIM_EARLY),
+    ]
+    notes = [f"best epoch (1-based): early {early[0]['best_epoch'] + 1}, fixed {fixed[0]['best_epoch'] + 1}; both "
+             f"runs share the LR schedule (cosine over {epochs} epochs), so the early run is a prefix of the "
+             "fixed one."]
+    return Outcome(rows, raw, notes)
+
+
+# ---------------------------------------------------------------------- precision on the CPU
+PRECISION_ARGS = ("--dataset", "synthetic", "--synthetic-size", "640", "--synthetic-shape", "3,16,16", "--model", "cnn",
+                  "--batch-size", "16", "--log-every", "2", "--early-stop-patience", "0")
+
+
+def _precision_window_s(precision: str, first: int, last: int) -> float:
+    with tempfile.TemporaryDirectory() as tmp:
+        _train(Path(tmp) / "run", *PRECISION_ARGS, "--precision", precision, "--max-steps", str(last))
+        return _csv_window_s(Path(tmp) / "run" / "metrics.csv", first, last)
+
+
+def _precision_cpu_child(precisions: tuple, repeats: int, first: int, last: int) -> dict:
+    # no warm-up round: the window starts after the first steps of each run, which pay the first-call costs
+    return interleave({p: functools.partial(_precision_window_s, p, first, last) for p in precisions},
+                      repeats, warmup=0)
+
+
+def precision_cpu(bench: Bench) -> Outcome:
+    precisions = ("32-true", "bf16-mixed", "16-mixed", "16-o2")
+    first, last = 2, 6
+    raw = bench.child(_precision_cpu_child, precisions=precisions, repeats=bench.repeats(1, 5), first=first, last=last)
+    metric = f"time of steps {first + 1}-{last} (cnn, synthetic 3x16x16, batch 16)"
+    rows = [ratio_row(bench.entry, "32-true", p, metric, raw["32-true"], raw[p], claim=CLAIM_AMP)
+            for p in precisions[1:]]
+    notes = ["This CPU (AVX2, no AVX512-BF16/AMX) has no 16-bit matrix units: 16-bit math is emulated or "
+             "converted, so reported only; the GPU suite measures what the articles meant."]
+    return Outcome(rows, raw, notes)
+
+
+# name -> (function, what it measures). Order = run order; cheap entries first.
+ENTRIES = {
+    "data_io": (data_io, "num_workers 0/2/4 on an I/O-bound dataset (data.SlowReads)"),
+    "loop_overhead": (loop_overhead, "loops.single.train's step path vs a 10-line loop (and Lightning, if installed)"),
+    "loss_logging": (loss_logging, "memory growth: losses.append(loss) / undetached sums vs detach + .item()"),
+    "evaluation": (evaluation, "grad-enabled vs no_grad vs inference_mode: peak memory and time"),
+    "accumulation": (accumulation, "peak memory: batch 64 vs 16 x accumulate 4 (vs 1 x 64)"),
+    "early_stopping": (early_stopping, "wall time and epochs: fixed budget vs patience 10"),
+    "data_cpu": (data_cpu, "num_workers 0/2/4 on a CPU-bound dataset (JPEG decode + augment); reported only"),
+    "precision_cpu": (precision_cpu, "step time of 32-true vs bf16-mixed / 16-mixed / 16-o2 on the CPU; reported only"),
+}

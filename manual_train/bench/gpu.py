@@ -1,0 +1,568 @@
+"""GPU entries (`python -m manual_train.bench --suite gpu`): precision, copies, host syncs, compile, cuDNN, MFU.
+
+Written to be run on a lent CUDA machine by scripts/gpu_check.sh. Every `_..._child` function runs in
+a fresh process and takes a `device` argument, so tests/test_bench.py can walk its code on the CPU
+with tiny sizes; CUDA-only readings (events, allocator peaks, the sync debug mode) are None there.
+
+How it measures on CUDA:
+  time    CUDA events around a block of steps (the host only queues kernels, so a host clock would
+          time the queueing); blocks of each variant interleaved A B A B, medians over blocks.
+  memory  torch.cuda.max_memory_allocated over one step after reset_peak_memory_stats, minus what
+          was allocated before the variant was built: that variant's weights, gradients, optimizer
+          state, batch and activations at their peak, even with other variants alive in the process.
+  syncs   torch.cuda.set_sync_debug_mode("warn") makes each synchronising call (.item(), .cpu(),
+          nonzero, ...) emit a warning; the warnings are counted per step.
+  FLOPs   torch.utils.flop_counter.FlopCounterMode over one training step with SDPA forced to its math
+          path, so attention counts as the matmuls it is (model FLOPs, without flash-attention's
+          recomputation); checked against the PaLM formula 6*N*tokens + 12*L*d*T*tokens.
+"""
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+import warnings
+from contextlib import nullcontext
+
+from manual_train.bench.harness import Bench, Goal, Outcome, ratio_row, value_row
+
+CLAIM_AMP = "mixed precision 1.5-2x faster (art. 2); 16-bit halves memory (art. 1)"
+CLAIM_PIN = "pin_memory=True speeds up transfers to the GPU (art. 2)"
+CLAIM_SYNC = "avoid forced GPU syncs; Lightning takes care of them (art. 1)"
+PRECISIONS = ("32-true", "tf32", "bf16-mixed", "16-mixed", "16-o2")
+# nanoGPT-style sizes for the GPT of manual_train/models.py: quick fits a minute of the GPU suite,
+# full is GPT-2 small (124M parameters).
+GPT_SIZES = {"quick": dict(vocab=8192, block_size=512, n_layer=6, n_head=8, n_embd=512),
+             "full": dict(vocab=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768)}
+
+
+# ---------------------------------------------------------------------- device facts and switches
+def cuda_info() -> dict:
+    """What torch sees of CUDA (runs in a child; the orchestrator never imports torch)."""
+    import torch
+
+    info = {"available": torch.cuda.is_available(), "torch_cuda": torch.version.cuda}
+    if info["available"]:
+        props = torch.cuda.get_device_properties(0)
+        info.update(name=props.name, capability=f"{props.major}.{props.minor}", device_count=torch.cuda.device_count(),
+                    total_memory_bytes=props.total_memory, multiprocessors=props.multi_processor_count,
+                    bf16_supported=torch.cuda.is_bf16_supported(), cudnn=torch.backends.cudnn.version())
+    return info
+
+
+def set_tf32(enabled: bool) -> None:
+    """TF32 for float32 matmuls and convolutions, or true IEEE float32 for both.
+
+    torch's defaults differ per library (cuBLAS matmuls: IEEE; cuDNN convolutions: TF32), so a
+    "32-true" measurement has to switch cuDNN's off explicitly. torch >= 2.9 has the fp32_precision
+    settings; the allow_tf32 flags are their older spelling.
+    """
+    import torch
+
+    mode = "tf32" if enabled else "ieee"
+    try:
+        torch.backends.cuda.matmul.fp32_precision = mode
+        torch.backends.cudnn.conv.fp32_precision = mode
+    except AttributeError:
+        torch.backends.cuda.matmul.allow_tf32 = enabled
+        torch.backends.cudnn.allow_tf32 = enabled
+
+
+def _config(*argv: str):
+    from manual_train.config import Config, parse_config
+
+    return parse_config(Config, list(argv))
+
+
+def seconds_per_step(step, n: int, device) -> float:
+    """Mean seconds per step() over n calls: CUDA events on GPUs (GPU time), the host clock on the CPU."""
+    import torch
+
+    if device.type != "cuda":
+        t0 = time.perf_counter()
+        for _ in range(n):
+            step()
+        return (time.perf_counter() - t0) / n
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        step()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1000 / n  # elapsed_time is in milliseconds
+
+
+# ---------------------------------------------------------------------- models, batches, the step
+def build_bench_model(name: str, size: str = "quick", image_side: int = 224):
+    """(model, make_batch(batch_size, device)) for resnet18/resnet50 (torchvision, ImageNet shapes) or gpt."""
+    import torch
+
+    if name == "gpt":
+        from manual_train.models import GPT
+
+        sizes = GPT_SIZES[size] if isinstance(size, str) else size
+        model = GPT(**sizes)
+
+        def make_batch(batch_size, device):
+            tokens = torch.randint(sizes["vocab"], (batch_size, sizes["block_size"] + 1), device=device)
+            return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()  # next-token targets
+        return model, make_batch
+
+    import torchvision
+
+    model = getattr(torchvision.models, name)(num_classes=1000)
+
+    def make_batch(batch_size, device):
+        return (torch.randn(batch_size, 3, image_side, image_side, device=device),
+                torch.randint(1000, (batch_size,), device=device))
+    return model, make_batch
+
+
+def make_step(model, precision: str, device, x, y, lr: float = 0.01):
+    """One training step with the precision machinery loops.single uses (manual_train.precision).
+
+    tf32 is 32-true with TF32 switched on (set_tf32, by the caller, before each block). Returns
+    (step, the optimizer's parameters); step() queues the work and returns without a host sync,
+    except where the precision itself syncs (16-mixed: GradScaler.step; 16-o2: the overflow check).
+    """
+    import torch
+
+    from manual_train.models import loss_fn
+    from manual_train.precision import Precision
+
+    amp = Precision(_config("--precision", "32-true" if precision == "tf32" else precision), device)
+    model, params = amp.prepare(model)
+    optimizer = torch.optim.SGD(params, lr=lr, momentum=0.9)
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        with amp.autocast():
+            loss = loss_fn(model(x), y)
+        amp.backward(loss, optimizer, True)
+        amp.unscale_(optimizer)
+        amp.step(optimizer)
+    return step, params
+
+
+# ---------------------------------------------------------------------- precision x layout x model
+def _precision_child(model_name: str, layouts: tuple, precisions: tuple, batch_size: int, size: str,
+                     image_side: int, warmup: int, steps: int, rounds: int, device: str = "cuda") -> dict:
+    import torch
+
+    device = torch.device(device)
+    cuda = device.type == "cuda"
+    variants, peak_bytes = {}, {}
+    for layout in layouts:
+        for precision in precisions:
+            name = f"{precision}/{layout}"
+            set_tf32(precision == "tf32")
+            if cuda:
+                torch.cuda.synchronize()
+                before = torch.cuda.memory_allocated(device)
+            torch.manual_seed(0)
+            model, make_batch = build_bench_model(model_name, size, image_side)
+            x, y = make_batch(batch_size, device)
+            model.to(device)
+            if layout == "channels_last":
+                # NHWC: cuDNN's tensor-core convolutions read this layout without transposing it first
+                model.to(memory_format=torch.channels_last)
+                x = x.contiguous(memory_format=torch.channels_last)
+            step, _ = make_step(model, precision, device, x, y)
+            for _ in range(warmup):
+                step()
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats(device)
+                step()
+                torch.cuda.synchronize()
+                peak_bytes[name] = torch.cuda.max_memory_allocated(device) - before
+            variants[name] = step
+
+    def block(name):
+        set_tf32(name.startswith("tf32/"))
+        return seconds_per_step(variants[name], steps, device)
+
+    times = interleave_blocks({n: functools.partial(block, n) for n in variants}, rounds)
+    return {"step_s": times, "peak_bytes": peak_bytes}
+
+
+def interleave_blocks(blocks: dict, rounds: int) -> dict:
+    from manual_train.bench.harness import interleave
+
+    return interleave(blocks, rounds, warmup=0)  # each variant was warmed up when it was built
+
+
+def _precision_rows(entry: str, model_name: str, raw: dict, layouts: tuple, hopper: bool, what: str) -> list:
+    rows = []
+    times, peaks = raw["step_s"], raw["peak_bytes"]
+    for layout in layouts:
+        base = f"32-true/{layout}"
+        for precision in PRECISIONS[1:]:
+            goal = Goal("<=", 0.5) if precision == "bf16-mixed" and hopper else None
+            rows.append(ratio_row(entry, base, f"{precision}/{layout}", f"step time, {what}", times[base],
+                                  times[f"{precision}/{layout}"], claim=CLAIM_AMP, goal=goal))
+        for precision in ("bf16-mixed", "16-o2"):
+            if base in peaks:
+                rows.append(ratio_row(entry, base, f"{precision}/{layout}", f"peak memory of a step, {what}",
+                                      [peaks[base]], [peaks[f"{precision}/{layout}"]], claim=CLAIM_AMP))
+    if len(layouts) == 2:
+        for precision in ("32-true", "bf16-mixed"):
+            rows.append(ratio_row(entry, f"{precision}/contiguous", f"{precision}/channels_last",
+                                  f"step time, {what}", times[f"{precision}/contiguous"],
+                                  times[f"{precision}/channels_last"]))
+    return rows
+
+
+def precision(bench: Bench) -> Outcome:
+    hopper = str(bench.device_info.get("capability", "")).startswith("9.")
+    rounds, steps = bench.repeats(3, 7), bench.pick(5, 10)
+    size = "quick" if bench.quick else "full"
+    image_models = {"resnet18": 256, "resnet50": 128}  # batch sizes
+    raw, rows = {}, []
+    for model_name, batch_size in image_models.items():
+        layouts = ("contiguous", "channels_last")
+        raw[model_name] = bench.child(_precision_child, model_name=model_name, layouts=layouts, precisions=PRECISIONS,
+                                      batch_size=batch_size, size=size, image_side=224, warmup=3, steps=steps,
+                                      rounds=rounds)
+        rows += _precision_rows(bench.entry, model_name, raw[model_name], layouts, hopper,
+                                f"{model_name}, 224x224, batch {batch_size}")
+    gpt_batch = bench.pick(32, 16)
+    raw["gpt"] = bench.child(_precision_child, model_name="gpt", layouts=("contiguous",), precisions=PRECISIONS,
+                             batch_size=gpt_batch, size=size, image_side=0, warmup=3, steps=steps, rounds=rounds)
+    sizes = GPT_SIZES[size]
+    rows += _precision_rows(bench.entry, "gpt", raw["gpt"], ("contiguous",), hopper,
+                            f"gpt {sizes['n_layer']}x{sizes['n_embd']}, {gpt_batch}x{sizes['block_size']} tokens")
+    notes = ["32-true is IEEE float32 throughout (cuDNN's default TF32 switched off); tf32 switches TF32 on for "
+             "matmuls and convolutions; 16-o2 is manual_train's written-out apex O2. cudnn.benchmark is off "
+             "(torch's default; the cudnn_benchmark entry measures it)."]
+    if not hopper:
+        notes.append("The bf16-mixed <= 0.5 goal is for Hopper GPUs; this device is not one, so it is not applied.")
+    return Outcome(rows, raw, notes)
+
+
+# ---------------------------------------------------------------------- pinned vs pageable copies
+def _copies_child(batch_shape: tuple, batches: int, rounds: int, device: str = "cuda") -> dict:
+    """Host-to-device copies of uint8 image batches: pageable + blocking vs pinned + non_blocking.
+
+    Two readings per variant: the wall time until every copy has landed, and the host time spent
+    inside .to() (what the Python loop waits before it can prepare the next batch or queue compute).
+    """
+    import torch
+
+    device = torch.device(device)
+    pageable = [torch.randint(0, 256, batch_shape, dtype=torch.uint8) for _ in range(batches)]
+    pinned = [t.pin_memory() for t in pageable]  # page-locked: the GPU's DMA engine reads it directly
+    nbytes = sum(t.numel() for t in pageable)
+
+    def copy_all(host, non_blocking: bool) -> tuple:
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        on_device = [t.to(device, non_blocking=non_blocking) for t in host]
+        t_host = time.perf_counter() - t0
+        torch.cuda.synchronize(device)
+        del on_device
+        return time.perf_counter() - t0, t_host
+
+    variants = {"pageable": functools.partial(copy_all, pageable, False),
+                "pinned_non_blocking": functools.partial(copy_all, pinned, True),
+                "pageable_non_blocking": functools.partial(copy_all, pageable, True)}
+    from manual_train.bench.harness import interleave
+
+    result = interleave(variants, rounds, warmup=1)
+    return {"bytes": nbytes, **{k: {"total_s": [a for a, _ in v], "host_s": [b for _, b in v]}
+                                for k, v in result.items()}}
+
+
+def copies(bench: Bench) -> Outcome:
+    shape, n = (256, 3, 224, 224), bench.pick(8, 16)
+    raw = bench.child(_copies_child, batch_shape=shape, batches=n, rounds=bench.repeats(5, 10))
+    gb = raw["bytes"] / 1e9
+    what = f"{n} uint8 batches of {'x'.join(map(str, shape))} ({gb:.2f} GB)"
+    rows = []
+    for variant in ("pinned_non_blocking", "pageable_non_blocking"):
+        rows.append(ratio_row(bench.entry, "pageable .to(device)", variant.replace("_", " + "),
+                              f"time until all copies landed, {what}", raw["pageable"]["total_s"],
+                              raw[variant]["total_s"], claim=CLAIM_PIN))
+        rows.append(ratio_row(bench.entry, "pageable .to(device)", variant.replace("_", " + "),
+                              "host time inside .to()", raw["pageable"]["host_s"], raw[variant]["host_s"],
+                              claim=CLAIM_PIN))
+    best = min(raw["pinned_non_blocking"]["total_s"])
+    notes = [f"pinned copy bandwidth: {gb / best:.1f} GB/s (best round); pageable: "
+             f"{gb / min(raw['pageable']['total_s']):.1f} GB/s. non_blocking from pageable memory still blocks: "
+             "the driver stages it through a pinned buffer."]
+    return Outcome(rows, raw, notes)
+
+
+# ---------------------------------------------------------------------- host syncs per step
+def count_syncs(fn) -> int:
+    """How many synchronising CUDA calls fn() makes (torch.cuda.set_sync_debug_mode('warn'))."""
+    import torch
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # every occurrence, not once per call site
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+SYNC_VARIANTS = {
+    "item": "losses.append(loss.item()) every step",
+    "append": "losses.append(loss) every step",
+    "ours": "ours: device sums of loss.detach(), .item() every log step",
+}
+
+
+def _syncs_per_step_child(steps: int, log_every: int, precision: str = "32-true", device: str = "cuda") -> dict:
+    """Per-step sync counts of the logging idioms, with the step of loops.single around them."""
+    import torch
+
+    from manual_train.models import MLP, correct_count, loss_fn
+    from manual_train.precision import Precision
+
+    device = torch.device(device)
+    cuda = device.type == "cuda"
+    x = torch.randn(256, 1, 8, 8, device=device)
+    y = torch.randint(10, (256,), device=device)
+    result = {}
+    for variant in SYNC_VARIANTS:
+        torch.manual_seed(0)
+        model = MLP((1, 8, 8), 10).to(device)
+        amp = Precision(_config("--precision", precision), device)
+        model, params = amp.prepare(model)
+        optimizer = torch.optim.SGD(params, lr=0.01, momentum=0.9)
+        losses = []
+        loss_sum = torch.zeros((), device=device)
+        correct_sum = torch.zeros((), device=device)
+
+        def step(i):
+            optimizer.zero_grad(set_to_none=True)
+            with amp.autocast():
+                logits = model(x)
+                loss = loss_fn(logits, y)
+            amp.backward(loss, optimizer, True)
+            if variant == "item":
+                losses.append(loss.item())
+            elif variant == "append":
+                losses.append(loss)
+            else:
+                loss_sum.add_(loss.detach())
+                correct_sum.add_(correct_count(logits.detach(), y))
+            amp.unscale_(optimizer)
+            amp.step(optimizer)
+            if variant == "ours" and (i + 1) % log_every == 0:
+                losses.append((loss_sum / log_every).item())  # the log step's host sync
+                loss_sum.zero_(), correct_sum.zero_()
+
+        for i in range(3):
+            step(i)
+        counts = [count_syncs(functools.partial(step, i)) if cuda else None for i in range(steps)]
+        result[variant] = {"syncs": counts, "log_steps": [i for i in range(steps) if (i + 1) % log_every == 0]}
+    return result
+
+
+def _loop_syncs_child(short_steps: int, long_steps: int, precision: str, device: str = "cuda") -> dict:
+    """Syncs of the real loops.single.train in two runs that differ only in their number of non-log steps.
+
+    Both runs log once (their last step), evaluate once and checkpoint once, so the difference in syncs,
+    divided by the difference in steps, is what one non-log step of the real loop costs.
+    """
+    import tempfile
+    from pathlib import Path
+
+    import torch
+
+    from manual_train.loops.single import train
+
+    counts = {}
+    args = ("--dataset", "synthetic", "--synthetic-size", "4096", "--synthetic-shape", "3,32,32", "--model", "cnn",
+            "--batch-size", "64", "--log-every", "100000", "--early-stop-patience", "0", "--precision", precision,
+            "--device", device, "--no-progress")
+    with tempfile.TemporaryDirectory() as tmp:
+        train(_config(*args, "--max-steps", "2", "--out-dir", str(Path(tmp) / "warmup")))
+        for steps in (short_steps, long_steps):
+            cfg = _config(*args, "--max-steps", str(steps), "--out-dir", str(Path(tmp) / f"run{steps}"))
+            counts[steps] = count_syncs(functools.partial(train, cfg)) if torch.device(device).type == "cuda" \
+                else None
+    return {"short_steps": short_steps, "long_steps": long_steps, "syncs": counts}
+
+
+def syncs(bench: Bench) -> Outcome:
+    steps, log_every = 20, 10
+    raw = {"idioms": bench.child(_syncs_per_step_child, steps=steps, log_every=log_every)}
+    rows = []
+    for variant, label in SYNC_VARIANTS.items():
+        r = raw["idioms"][variant]
+        non_log = [c for i, c in enumerate(r["syncs"]) if i not in r["log_steps"]]
+        rows.append(value_row(bench.entry, "-", label, "host syncs per non-log step (mlp, 32-true)", non_log,
+                              unit="syncs", claim=CLAIM_SYNC, goal=Goal("<=", 0) if variant == "ours" else None))
+    for precision in ("32-true", "16-mixed"):
+        r = bench.child(_loop_syncs_child, short_steps=10, long_steps=40, precision=precision)
+        raw[f"loop {precision}"] = r
+        per_step = (r["syncs"][40] - r["syncs"][10]) / 30
+        rows.append(value_row(bench.entry, "-", f"loops.single.train, {precision}",
+                              "host syncs per non-log step (40- vs 10-step run)", [per_step], unit="syncs",
+                              claim=CLAIM_SYNC, goal=Goal("<=", 0) if precision == "32-true" else None))
+    notes = ["16-mixed syncs once per step by design: GradScaler.step reads found_inf on the host to decide "
+             "whether to skip the step (so does 16-o2's overflow check). Counted with "
+             "torch.cuda.set_sync_debug_mode, which sees .item()/.cpu()/nonzero-style syncs but not "
+             "torch.cuda.synchronize or collectives."]
+    return Outcome(rows, raw, notes)
+
+
+# ---------------------------------------------------------------------- cudnn.benchmark
+def _cudnn_child(benchmark: bool, model_name: str, batch_size: int, precision: str, warmup: int, steps: int,
+                 rounds: int, device: str = "cuda") -> dict:
+    """One setting per process: cuDNN's algorithm cache is shared by both settings, so a process that
+    has run with one would answer the other from its cache."""
+    import torch
+
+    device = torch.device(device)
+    torch.backends.cudnn.benchmark = benchmark
+    set_tf32(False)
+    torch.manual_seed(0)
+    model, make_batch = build_bench_model(model_name)
+    x, y = make_batch(batch_size, device)
+    model.to(device).to(memory_format=torch.channels_last)
+    step, _ = make_step(model, precision, device, x.contiguous(memory_format=torch.channels_last), y)
+    t0 = time.perf_counter()
+    for _ in range(warmup):  # benchmark=True: the first step of each new shape tries every algorithm
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    warmup_s = time.perf_counter() - t0
+    return {"step_s": [seconds_per_step(step, steps, device) for _ in range(rounds)], "warmup_s": warmup_s}
+
+
+def cudnn_benchmark(bench: Bench) -> Outcome:
+    model_name, batch_size = "resnet50", 128
+    raw = {"off": [], "on": []}
+    for _ in range(bench.repeats(2, 4)):  # one process per reading, interleaved
+        for key, flag in (("off", False), ("on", True)):
+            raw[key].append(bench.child(_cudnn_child, benchmark=flag, model_name=model_name, batch_size=batch_size,
+                                        precision="bf16-mixed", warmup=3, steps=bench.pick(10, 20), rounds=3))
+    off = [statistics.median(r["step_s"]) for r in raw["off"]]
+    on = [statistics.median(r["step_s"]) for r in raw["on"]]
+    what = f"{model_name} bf16-mixed channels_last, batch {batch_size}"
+    rows = [ratio_row(bench.entry, "cudnn.benchmark=False", "cudnn.benchmark=True", f"step time, {what}", off, on),
+            ratio_row(bench.entry, "cudnn.benchmark=False", "cudnn.benchmark=True", "time of the 3 warm-up steps",
+                      [r["warmup_s"] for r in raw["off"]], [r["warmup_s"] for r in raw["on"]])]
+    return Outcome(rows, raw, [])
+
+
+# ---------------------------------------------------------------------- FLOPs, MFU, torch.compile
+def gpt_flops_per_step(model, batch_size: int, seq_len: int) -> int:
+    """Model FLOPs of one GPT training step (forward + backward), as PaLM's appendix B counts them:
+    6 per parameter per token for the matmul weights, plus 12*L*d*T per token for attention scores
+    and their use (causal masking not discounted, flash attention's recomputation not counted)."""
+    import torch.nn as nn
+
+    matmul_params = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+    tokens = batch_size * seq_len
+    n_layer, d = len(model.blocks), model.tok.embedding_dim
+    return 6 * matmul_params * tokens + 12 * n_layer * d * seq_len * tokens
+
+
+def count_step_flops(model, x, y, autocast=nullcontext) -> int:
+    """FLOPs of one forward + backward, counted op by op by torch's FlopCounterMode.
+
+    SDPA runs its math path here so attention is counted as the matmuls it is; the gradients the
+    count leaves behind are dropped.
+    """
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from manual_train.models import loss_fn
+
+    with sdpa_kernel([SDPBackend.MATH]), FlopCounterMode(display=False) as counter:
+        with autocast():
+            loss = loss_fn(model(x), y)
+        loss.backward()
+    model.zero_grad(set_to_none=True)
+    return counter.get_total_flops()
+
+
+def mfu(flops_per_step: float, step_s: float, peak_flops_per_s: float) -> float:
+    """Model FLOPs utilisation: the fraction of the peak rate the step's model FLOPs achieve."""
+    return flops_per_step / step_s / peak_flops_per_s
+
+
+def matmul_peak_flops(device, n: int = 8192, dtype_name: str = "bfloat16", repeats: int = 10) -> float:
+    """FLOP/s of one n x n x n matmul on random data, median over `repeats` after 3 warm-ups."""
+    import torch
+
+    dtype = getattr(torch, dtype_name)
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    times = [seconds_per_step(lambda: a @ b, 1, device) for _ in range(repeats)]
+    return 2 * n ** 3 / statistics.median(times)
+
+
+def _gpt_child(size, batch_size: int, warmup: int, steps: int, rounds: int, compile_model: bool,
+               device: str = "cuda", peak_n: int = 8192) -> dict:
+    """bf16-mixed GPT steps, eager and (optionally) torch.compile'd, with FLOPs counted and the peak measured."""
+    import torch
+
+    device = torch.device(device)
+    set_tf32(False)
+    peak = matmul_peak_flops(device, n=peak_n)
+    variants, result = {}, {"peak_flops_per_s": peak, "compile_s": None}
+    for name in ("eager", "compiled") if compile_model else ("eager",):
+        torch.manual_seed(0)
+        model, make_batch = build_bench_model("gpt", size)
+        model.to(device)
+        x, y = make_batch(batch_size, device)
+        if name == "eager":
+            amp_autocast = functools.partial(torch.autocast, device.type, dtype=torch.bfloat16)
+            result["flops_counted"] = count_step_flops(model, x, y, amp_autocast)
+            result["flops_formula"] = gpt_flops_per_step(model, batch_size, x.shape[1])
+        else:
+            model = torch.compile(model)
+        step, _ = make_step(model, "bf16-mixed", device, x, y)
+        t0 = time.perf_counter()
+        for _ in range(warmup):  # compiled: the first call traces and compiles forward and backward
+            step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if name == "compiled":
+            result["compile_s"] = time.perf_counter() - t0
+        variants[name] = functools.partial(seconds_per_step, step, steps, device)
+    result["step_s"] = interleave_blocks(variants, rounds)
+    return result
+
+
+def gpt_compile_mfu(bench: Bench) -> Outcome:
+    size = "quick" if bench.quick else "full"
+    batch_size = bench.pick(32, 16)
+    raw = bench.child(_gpt_child, size=size, batch_size=batch_size, warmup=3, steps=bench.pick(10, 20),
+                      rounds=bench.repeats(3, 5), compile_model=True, timeout_s=900)
+    sizes = GPT_SIZES[size]
+    what = f"gpt {sizes['n_layer']}x{sizes['n_embd']}, {batch_size}x{sizes['block_size']} tokens, bf16-mixed"
+    times = raw["step_s"]
+    rows = [ratio_row(bench.entry, "eager", "torch.compile", f"step time, {what}", times["eager"], times["compiled"]),
+            value_row(bench.entry, "-", "torch.compile", "time of the first 3 steps (compilation)", [raw["compile_s"]],
+                      unit="s")]
+    for name in ("eager", "compiled"):
+        rows.append(value_row(bench.entry, "bf16 matmul peak (measured)", f"gpt step, {name}", f"MFU, {what}",
+                              [100 * mfu(raw["flops_counted"], t, raw["peak_flops_per_s"]) for t in times[name]],
+                              unit="%", goal=Goal(">=", 40)))
+    rows.append(value_row(bench.entry, "-", "8192^3 bf16 matmul", "measured peak", [raw["peak_flops_per_s"] / 1e12],
+                          unit="TFLOP/s"))
+    notes = [f"FLOPs per step: {raw['flops_counted'] / 1e12:.3f} T counted by FlopCounterMode, "
+             f"{raw['flops_formula'] / 1e12:.3f} T by the PaLM formula."]
+    return Outcome(rows, raw, notes)
+
+
+# name -> (function, what it measures). Order = run order.
+ENTRIES = {
+    "syncs": (syncs, "host syncs per training step for each loss-logging idiom and the real loop"),
+    "copies": (copies, "host-to-device copies: pageable vs pinned + non_blocking"),
+    "precision": (precision, "step time and memory: 32-true/tf32/bf16-mixed/16-mixed/16-o2, resnet18/50 (NCHW, "
+                             "channels_last), gpt"),
+    "cudnn_benchmark": (cudnn_benchmark, "cudnn.benchmark off vs on (resnet50, bf16-mixed)"),
+    "gpt_compile_mfu": (gpt_compile_mfu, "torch.compile on/off and MFU of the gpt step vs a measured bf16 peak"),
+}

@@ -1,0 +1,214 @@
+"""The benchmark (manual_train/bench): end to end through its CLI, its measuring parts, its GPU code on the CPU.
+
+No timing assertions: what is asserted is the output's shape, that every ratio is the finite quotient
+of the raw numbers it came from, that peak-RSS deltas see a known allocation, and that counted FLOPs
+equal the closed-form count. GPU-marked tests check the sync counts and FLOPs on CUDA.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO, cuda_devices
+from manual_train.bench import cli, gpu, harness
+from manual_train.bench.harness import ChildFailed, Goal, fresh_process, ratio_row, value_row
+
+TINY_GPT = dict(vocab=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
+
+
+# ---------------------------------------------------------------------- end to end
+def test_quick_run_writes_table_json_and_chart(tmp_path):
+    out = tmp_path / "bench"
+    proc = subprocess.run([sys.executable, "-m", "manual_train.bench", "--quick", "--repeats", "1",
+                           "--only", "data_io,loop_overhead", "--out", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+    doc = json.loads((out / "bench.json").read_text())
+    assert doc["schema"] == 1 and doc["suite"] == "cpu" and doc["quick"] is True
+    assert "--only data_io,loop_overhead" in doc["command"]
+    machine = doc["machine"]
+    for key in ("date", "cpu_model", "cpu_count", "cpus_usable", "torch", "python", "load_avg_1_5_15"):
+        assert machine[key], key
+    assert machine["torch"] == torch.__version__.split("+")[0]
+    assert machine["cuda"]["available"] == torch.cuda.is_available()
+    assert [e["name"] for e in doc["entries"]] == ["data_io", "loop_overhead"]
+    assert all(e["status"] == "ok" and e["wall_s"] > 0 for e in doc["entries"])
+
+    rows = doc["rows"]
+    assert {r["entry"] for r in rows} == {"data_io", "loop_overhead"}
+    for r in rows:
+        assert r["kind"] in ("ratio", "value") and r["n"] == len(r["values"]) >= 1
+        assert all(isinstance(v, float) and math.isfinite(v) for v in r["values"]), r
+        assert r["min"] <= r["median"] <= r["max"]
+        if r["kind"] == "ratio":  # each ratio is variant / baseline of the same repeat
+            expected = [v / b for b, v in zip(r["baseline_values"], r["variant_values"])]
+            assert r["values"] == pytest.approx(expected, rel=1e-12)
+            assert all(v > 0 for v in r["baseline_values"] + r["variant_values"])
+        if r["goal"] is not None:
+            value, op = r["goal"]["value"], r["goal"]["op"]
+            assert r["met"] == (r["median"] <= value if op == "<=" else r["median"] >= value)
+    io = next(e for e in doc["entries"] if e["name"] == "data_io")["raw"]
+    w4 = next(r for r in rows if r["variant"] == "num_workers=4")
+    assert w4["baseline_values"] == io["workers=0"] and w4["variant_values"] == io["workers=4"]
+    assert w4["goal"] == {"op": ">=", "value": 3.2} and w4["better"] == "higher"
+    overhead = next(r for r in rows if r["entry"] == "loop_overhead")
+    assert overhead["goal"] == {"op": "<=", "value": 1.05}
+
+    table = (out / "bench.md").read_text()
+    assert "| entry | baseline | variant |" in table
+    assert sum(line.startswith("| data_io |") or line.startswith("| loop_overhead |")
+               for line in table.splitlines()) == len(rows)
+    assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (out / "logs" / "data_io.log").stat().st_size > 0
+
+
+# ---------------------------------------------------------------------- bad input
+def test_bad_flags_are_one_line_errors(tmp_path, capsys):
+    assert cli.main(["--only", "nope", "--out", str(tmp_path / "a")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --only: no entry 'nope' in --suite cpu (allowed: data_io, loop_overhead")
+    assert err.count("\n") == 1
+    assert cli.main(["--repeats", "0", "--out", str(tmp_path / "b")]) == 2
+    assert capsys.readouterr().err == "error: --repeats: 0 is out of range (allowed: >= 1)\n"
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "bench.json").write_text("{}")
+    assert cli.main(["--out", str(tmp_path / "c")]) == 2
+    assert "already holds bench.json" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]  # nothing created by the refused runs
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given where CUDA is absent")
+def test_gpu_suite_without_cuda_says_so(tmp_path, capsys):
+    assert cli.main(["--suite", "gpu", "--quick", "--out", str(tmp_path / "g")]) == 2
+    assert capsys.readouterr().err == ("error: --suite: gpu needs a CUDA device and torch.cuda.is_available() is "
+                                       "False here (allowed: cpu)\n")
+    assert not (tmp_path / "g").exists()
+
+
+# ---------------------------------------------------------------------- the measuring parts
+def test_rows_pair_repeats_and_judge_goals():
+    row = ratio_row("e", "A", "B", "time", [2.0, 4.0, 1.0], [1.0, 1.0, 1.0], goal=Goal("<=", 0.5))
+    assert row.values == [0.5, 0.25, 1.0]  # paired by repeat, not median(B) / median(A)
+    assert (row.median, row.spread, row.met) == (0.5, (0.25, 1.0), True)
+    assert ratio_row("e", "A", "B", "t", [1.0], [0.6], goal=Goal("<=", 0.5)).met is False
+    assert value_row("e", "-", "B", "MB", [3.0], goal=Goal(">=", 3.2)).met is False
+    assert value_row("e", "-", "B", "MB", [float("nan")], goal=Goal(">=", 3.2)).met is None
+
+
+def test_interleave_alternates_and_drops_warmup():
+    calls = []
+
+    def measure(name):
+        calls.append(name)
+        return len(calls)
+
+    result = harness.interleave({"a": lambda: measure("a"), "b": lambda: measure("b")}, repeats=2, warmup=1)
+    assert calls == ["a", "b", "a", "b", "a", "b"]
+    assert result == {"a": [3, 5], "b": [4, 6]}
+
+
+def _allocate_child(nbytes: int) -> dict:
+    def touch(n):
+        return torch.ones(n // 4).sum().item()  # ones() writes every page, so all of it is resident
+    touch(4096)  # warm-up: the first call maps kernels' code pages, as the benchmark's warm-up passes do
+    _, grown = harness.peak_rss_delta(lambda: touch(nbytes))
+    _, idle = harness.peak_rss_delta(lambda: None)
+    return {"grown": grown, "idle": idle}
+
+
+def _failing_child() -> None:
+    raise ValueError("no such thing")
+
+
+def test_fresh_process_sees_a_known_allocation(tmp_path):
+    result = fresh_process(_allocate_child, {"nbytes": 40 * 2 ** 20}, log_path=tmp_path / "log", timeout_s=120,
+                           threads=1)
+    assert 39 * 2 ** 20 <= result["grown"] <= 44 * 2 ** 20, result
+    assert result["idle"] < 2 ** 20, result
+    with pytest.raises(ChildFailed, match="ValueError: no such thing"):
+        fresh_process(_failing_child, {}, log_path=tmp_path / "log", timeout_s=120, threads=1)
+    assert "Traceback" in (tmp_path / "log").read_text()
+
+
+# ---------------------------------------------------------------------- FLOPs and MFU (CPU)
+def test_counted_flops_equal_the_closed_form():
+    from manual_train.models import GPT
+
+    torch.manual_seed(0)
+    model = GPT(**TINY_GPT)
+    counts = []
+    for batch in (2, 4):
+        x = torch.randint(64, (batch, 16))
+        counts.append(gpu.count_step_flops(model, x, torch.randint(64, (batch, 16))))
+        assert counts[-1] == gpu.gpt_flops_per_step(model, batch, 16)
+    assert counts[1] == 2 * counts[0]
+    # the attention term is part of the count: the count without it is off by exactly 12*L*d*T^2*B
+    assert counts[0] - 6 * sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear)) * 32 \
+        == 12 * 2 * 32 * 16 * 32
+    assert all(p.grad is None for p in model.parameters())
+    assert gpu.mfu(3e12, 0.01, 6e14) == pytest.approx(0.5)
+
+
+# ---------------------------------------------------------------------- the GPU entries' code, walked on the CPU
+def test_gpu_entry_code_runs_on_cpu():
+    cpu = "cpu"
+    result = gpu._precision_child("gpt", layouts=("contiguous",), precisions=gpu.PRECISIONS, batch_size=2,
+                                  size=TINY_GPT, image_side=0, warmup=1, steps=1, rounds=1, device=cpu)
+    assert set(result["step_s"]) == {f"{p}/contiguous" for p in gpu.PRECISIONS}
+    assert all(t[0] > 0 for t in result["step_s"].values()) and result["peak_bytes"] == {}
+    rows = gpu._precision_rows("precision", "gpt", result, ("contiguous",), hopper=True, what="tiny")
+    assert [r.goal is not None for r in rows if r.metric.startswith("step time")] == [False, True, False, False]
+
+    image = gpu._precision_child("resnet18", layouts=("contiguous", "channels_last"), precisions=("32-true",),
+                                 batch_size=2, size="quick", image_side=32, warmup=1, steps=1, rounds=1, device=cpu)
+    assert set(image["step_s"]) == {"32-true/contiguous", "32-true/channels_last"}
+
+    syncs = gpu._syncs_per_step_child(steps=2, log_every=2, device=cpu)
+    assert set(syncs) == set(gpu.SYNC_VARIANTS) and syncs["ours"]["log_steps"] == [1]
+
+    mfu = gpu._gpt_child(TINY_GPT, batch_size=2, warmup=1, steps=1, rounds=1, compile_model=False, device=cpu,
+                         peak_n=64)
+    assert mfu["flops_counted"] == mfu["flops_formula"] > 0 and mfu["peak_flops_per_s"] > 0
+    assert len(mfu["step_s"]["eager"]) == 1
+    gpu.set_tf32(False)
+
+
+# ---------------------------------------------------------------------- on a GPU (scripts/gpu_check.sh)
+def needs_cuda(test):
+    """conftest.cuda_devices(1) as one decorator: marked gpu, skipped without a CUDA device."""
+    for mark in cuda_devices(1):
+        test = mark(test)
+    return test
+
+
+@needs_cuda
+def test_logging_idioms_sync_counts_on_cuda():
+    result = gpu._syncs_per_step_child(steps=6, log_every=3)
+    ours = result["ours"]
+    for i, count in enumerate(ours["syncs"]):
+        assert (count >= 1) if i in ours["log_steps"] else (count == 0), (i, ours)
+    assert all(c >= 1 for c in result["item"]["syncs"])
+    assert all(c == 0 for c in result["append"]["syncs"])
+
+
+@needs_cuda
+def test_real_loop_has_no_sync_on_non_log_steps_on_cuda():
+    r = gpu._loop_syncs_child(short_steps=4, long_steps=12, precision="32-true")
+    assert r["syncs"][12] == r["syncs"][4], r
+
+
+@needs_cuda
+def test_counted_flops_on_cuda_under_bf16_autocast():
+    from manual_train.models import GPT
+
+    model = GPT(**TINY_GPT).cuda()
+    x, y = torch.randint(64, (4, 16), device="cuda"), torch.randint(64, (4, 16), device="cuda")
+    autocast = functools.partial(torch.autocast, "cuda", dtype=torch.bfloat16)
+    assert gpu.count_step_flops(model, x, y, autocast) == gpu.gpt_flops_per_step(model, 4, 16)
