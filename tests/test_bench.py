@@ -157,7 +157,16 @@ def test_counted_flops_equal_the_closed_form():
 
 
 # ---------------------------------------------------------------------- the GPU entries' code, walked on the CPU
-def test_gpu_entry_code_runs_on_cpu():
+@pytest.fixture
+def one_thread():
+    """Tiny ops with 2 intra-op threads on a busy 2-core machine mostly wait for each other."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_gpu_entry_code_runs_on_cpu(one_thread):
     cpu = "cpu"
     result = gpu._precision_child("gpt", layouts=("contiguous",), precisions=gpu.PRECISIONS, batch_size=2,
                                   size=TINY_GPT, image_side=0, warmup=1, steps=1, rounds=1, device=cpu)
@@ -172,6 +181,11 @@ def test_gpu_entry_code_runs_on_cpu():
 
     syncs = gpu._syncs_per_step_child(steps=2, log_every=2, device=cpu)
     assert set(syncs) == set(gpu.SYNC_VARIANTS) and syncs["ours"]["log_steps"] == [1]
+
+    cudnn = gpu._cudnn_child(benchmark=True, model_name="resnet18", batch_size=2, precision="32-true", warmup=1,
+                             steps=1, rounds=2, image_side=32, device=cpu)
+    assert len(cudnn["step_s"]) == 2 and cudnn["warmup_s"] > 0
+    torch.backends.cudnn.benchmark = False
 
     mfu = gpu._gpt_child(TINY_GPT, batch_size=2, warmup=1, steps=1, rounds=1, compile_model=False, device=cpu,
                          peak_n=64)

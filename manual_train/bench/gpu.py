@@ -54,16 +54,15 @@ def set_tf32(enabled: bool) -> None:
     """TF32 for float32 matmuls and convolutions, or true IEEE float32 for both.
 
     torch's defaults differ per library (cuBLAS matmuls: IEEE; cuDNN convolutions: TF32), so a
-    "32-true" measurement has to switch cuDNN's off explicitly. torch >= 2.9 has the fp32_precision
-    settings; the allow_tf32 flags are their older spelling.
+    "32-true" measurement has to switch cuDNN's off explicitly. The allow_tf32 flags are used, not
+    torch >= 2.9's fp32_precision settings: setting those leaves the allow_tf32 getters (which other
+    code, e.g. compilers, still read) raising "mix of the legacy and new APIs"; setting allow_tf32
+    updates both (checked on torch 2.14).
     """
     import torch
 
-    mode = "tf32" if enabled else "ieee"
-    try:
-        torch.backends.cuda.matmul.fp32_precision = mode
-        torch.backends.cudnn.conv.fp32_precision = mode
-    except AttributeError:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch >= 2.9 announces that allow_tf32 will be deprecated
         torch.backends.cuda.matmul.allow_tf32 = enabled
         torch.backends.cudnn.allow_tf32 = enabled
 
@@ -414,7 +413,7 @@ def syncs(bench: Bench) -> Outcome:
 
 # ---------------------------------------------------------------------- cudnn.benchmark
 def _cudnn_child(benchmark: bool, model_name: str, batch_size: int, precision: str, warmup: int, steps: int,
-                 rounds: int, device: str = "cuda") -> dict:
+                 rounds: int, image_side: int = 224, device: str = "cuda") -> dict:
     """One setting per process: cuDNN's algorithm cache is shared by both settings, so a process that
     has run with one would answer the other from its cache."""
     import torch
@@ -423,7 +422,7 @@ def _cudnn_child(benchmark: bool, model_name: str, batch_size: int, precision: s
     torch.backends.cudnn.benchmark = benchmark
     set_tf32(False)
     torch.manual_seed(0)
-    model, make_batch = build_bench_model(model_name)
+    model, make_batch = build_bench_model(model_name, image_side=image_side)
     x, y = make_batch(batch_size, device)
     model.to(device).to(memory_format=torch.channels_last)
     step, _ = make_step(model, precision, device, x.contiguous(memory_format=torch.channels_last), y)

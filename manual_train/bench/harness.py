@@ -31,8 +31,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-# Imported once by the forkserver; every child inherits them already loaded.
-PRELOAD = ["torch", "torchvision", "manual_train.loops.single", "manual_train.bench.harness"]
+# Imported once by the forkserver; every child inherits them already loaded. torch._dynamo is imported by
+# the first torch.optim.Optimizer constructed in a process (~5 s here), so it is loaded up front too.
+PRELOAD = ["torch", "torch._dynamo", "torchvision", "manual_train.loops.single", "manual_train.bench.harness"]
 
 
 # ---------------------------------------------------------------------- results
