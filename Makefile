@@ -14,7 +14,7 @@ $(VENV)/.installed: setup.cfg setup.py
 	touch $@
 
 demo: $(VENV)/.installed
-	$(PY) launch/single.py
+	$(VENV)/bin/torchrun --nproc_per_node=4 launch/ddp.py
 
 # pytest exits 5 when it collected no tests: that is a broken suite, not a pass.
 test: $(VENV)/.installed
