@@ -35,7 +35,7 @@ def lone_process():
 
 
 def test_plain_python_is_a_group_of_one_equal_to_the_baseline(tmp_path, lone_process):
-    flags = dict(max_steps=30, batch_size=32, log_every=5)
+    flags = dict(max_steps=10, batch_size=32, log_every=5)
     summary = ddp.train(make_cfg(tmp_path / "ddp", ddp.DDPConfig, **flags))
     single.train(make_cfg(tmp_path / "single", Config, **flags))
     assert not torch.distributed.is_initialized(), "the group was left (destroy_process_group)"
