@@ -69,7 +69,7 @@ def test_split_equals_one_device(microbatches):
 
 def test_microbatch_losses_need_weighting():
     """Why the pipeline concatenates the micro-batches' logits before one loss: averaging the micro-batches'
-    mean losses (tensor.chunk's sizes 4, 4, 2) gives another gradient; weighting each by its share of the batch does not."""
+    mean losses (tensor.chunk's sizes 4, 4, 2) gives another gradient; weighting each by its share does not."""
     torch.manual_seed(0)
     model = Seq2Seq(ReverseDigits.VOCAB)
     x, y = batch(10)

@@ -223,6 +223,9 @@ def train_rank(cfg: Config, env: DistEnv) -> dict:
     log.print(f"hybrid {cfg.mode}: encoder on {','.join(map(str, group_a))}, decoder on "
               f"{','.join(map(str, group_b))}" + (f" (rank 0 of {world_size}; each rank its own pair)"
                                                   if cfg.mode == "ddp-mp" else f", data parallel: {cfg.impl}"))
+    if cfg.mode == "dp-mp" and cfg.impl == "torch" and not torch.cuda.is_available():
+        log.print("no CUDA here: nn.DataParallel ignores device_ids and calls each half directly (the seq2seq "
+                  "baseline, split); --impl explicit splits each half's batch on CPU")
     # <<< HYBRID
 
     # ------------------------------------------------------------------ training loop
