@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from conftest import REPO, cuda_devices, load_model_state, make_cfg, max_param_diff, run_script
+from conftest import REPO, load_model_state, make_cfg, max_param_diff, needs_cuda, run_script
 from manual_train import parallel
 from manual_train.checkpoint import REQUIRED_KEYS
 from manual_train.cli import run as cli_run
@@ -247,17 +247,8 @@ def test_script_writes_the_outputs_contract(tmp_path):
 
 
 # ---------------------------------------------------------------------- GPUs (run where >= 2 CUDA devices exist)
-def needs_gpus(n):
-    """conftest.cuda_devices(n) as one decorator: marked gpu, skipped without n CUDA devices."""
-    def mark(fn):
-        for m in cuda_devices(n):
-            fn = m(fn)
-        return fn
-    return mark
-
-
 @pytest.mark.parametrize("impl", ["torch", "explicit"])
-@needs_gpus(2)
+@needs_cuda(2)
 def test_gpu_dp_equals_single_gpu(tmp_path, impl):
     """mlp (no TF32 convolutions) on digits: two GPUs, outputs gathered on cuda:1, against one GPU."""
     common = dict(model="mlp", batch_size=32, **STEPS)
@@ -268,7 +259,7 @@ def test_gpu_dp_equals_single_gpu(tmp_path, impl):
     assert set(summary["peak_mem_bytes_per_device"]) == {"cuda:0", "cuda:1"}
 
 
-@needs_gpus(2)
+@needs_cuda(2)
 def test_gpu_explicit_forward_is_dataparallels():
     """The four torch.nn.parallel steps give nn.DataParallel's outputs and gradients."""
     devices = [torch.device("cuda:0"), torch.device("cuda:1")]
