@@ -380,9 +380,10 @@ def test_precision_composes_with_ddp(precision, job2, tmp_path):
     ref_summary = json.loads((reference / "summary.json").read_text())
     ddp_result = results[0][f"parity_{precision}"]
     # fp16 rounding differs between one batch of 32 and two of 16 (and gradients are averaged in fp16 under
-    # O2), so this is a loss tolerance, not 1e-6; the scaler's decisions match (gradients are all-reduced).
-    assert ddp_result["final_val_loss"] == pytest.approx(ref_summary["final_val_loss"], rel=0.02)
+    # O2), so not 1e-6: measured 3.6e-4 in the weights and 4e-6 (relative) in the loss after 6 steps, here
+    # with ~5x and 250x margins. The scaler's decisions match (it sees all-reduced gradients).
+    assert ddp_result["final_val_loss"] == pytest.approx(ref_summary["final_val_loss"], rel=1e-3)
     assert ddp_result["skipped_steps"] == ref_summary["skipped_steps"]
     weights = load_model_state(out / f"parity_{precision}" / "run")
     assert all(v.dtype == torch.float32 for v in weights.values())  # fp32 master weights in last.pt
-    assert max_param_diff(weights, load_model_state(reference)) < 1e-2
+    assert max_param_diff(weights, load_model_state(reference)) < 2e-3
