@@ -1,0 +1,220 @@
+"""ZeroConfig, --help, one-line errors, the loop's diff against the DDP loop, and manual_train/zero.py's pieces that
+need no process group: the paper's formulas, the storage accounting, the FSDP units, the equal-batch evaluation.
+
+One real subprocess (`python launch/zero.py --impl fairscale --stage 3`: exit status 2, one line, on this CPU) and
+one in-process group of one (`python launch/zero.py` at world size 1 equals the DDP loop bit for bit).
+"""
+from __future__ import annotations
+
+import difflib
+import os
+import re
+import sys
+
+import pytest
+import torch
+from conftest import REPO, load_model_state, make_cfg, max_param_diff, run_script
+
+from manual_train.cli import run
+from manual_train.config import Config
+from manual_train.data import DataInfo
+from manual_train.evaluation import evaluate
+from manual_train.loops import ddp
+from manual_train.loops import zero as zero_loop
+from manual_train.models import build_model
+from manual_train.precision import Precision
+from manual_train.zero import SameBatchCount, blocks, storage_bytes, zero_formula_bytes
+
+TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                 "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RESTART_COUNT")
+
+
+@pytest.fixture
+def lone_process():
+    """No torchrun environment; afterwards os.environ as it was (setup() adds MASTER_ADDR/MASTER_PORT)."""
+    saved = dict(os.environ)
+    for name in TORCHRUN_VARS:
+        os.environ.pop(name, None)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+# ---------------------------------------------------------------------- the paper's formulas
+def test_formulas_reproduce_the_papers_figure_1():
+    """Rajbhandari et al. 2019, figure 1: 7.5B parameters, N = 64, K = 12 -> 120, 31.4, 16.6, 1.9 GB per device."""
+    psi, n = 7.5e9, 64
+    totals = [zero_formula_bytes(psi, n, stage)["total"] / 1e9 for stage in (0, 1, 2, 3)]
+    assert [round(t, 1) for t in totals] == [120.0, 31.4, 16.6, 1.9]
+    # the expressions themselves: (4+K)psi, 4psi + K psi/N, 2psi + (2+K)psi/N, (4+K)psi/N
+    assert totals[1] * 1e9 == pytest.approx(4 * psi + 12 * psi / n)
+    assert totals[2] * 1e9 == pytest.approx(2 * psi + 14 * psi / n)
+    # fp32 AdamW (4 + 4 + 8 bytes per parameter), this repo's cnn on 4 ranks
+    fp32 = zero_formula_bytes(89930, 4, 2, param_bytes=4, grad_bytes=4, state_bytes=8)
+    assert fp32 == {"params": 359720, "grads": 89930, "optimizer_state": 179860, "total": 629510}
+
+
+# ---------------------------------------------------------------------- accounting and FSDP units
+def test_storage_bytes_counts_each_buffer_once():
+    flat = torch.zeros(100)
+    views = [flat[:60].view(6, 10), flat[60:]]  # how OSS and ShardedDDP lay parameters and gradients out
+    assert storage_bytes(views) == 400
+    assert storage_bytes([torch.zeros(3), torch.zeros(3), None]) == 24  # two storages
+    freed = torch.zeros(10)
+    freed.untyped_storage().resize_(0)  # what FSDP does to gathered parameters when it reshards
+    assert storage_bytes([freed]) == 0
+
+
+def test_fsdp_units_are_the_blocks_of_each_model():
+    digits, reverse = DataInfo("digits", (1, 8, 8), 10), DataInfo("reverse", (2, 8), 12)
+
+    def names(model):
+        return [name for _, name in blocks(model)]
+
+    assert names(build_model("cnn", digits)) == ["features", "head"]
+    assert names(build_model("mlp", digits)) == ["1", "3", "5"]  # the Linear layers inside mlp.net
+    assert names(build_model("seq2seq", reverse)) == ["encoder", "decoder"]
+    from manual_train.models import GPT
+
+    assert names(GPT(vocab=64, block_size=8, n_layer=3, n_embd=16, n_head=2)) == ["0", "1", "2"]  # its blocks
+
+
+def test_padding_with_empty_batches_leaves_the_evaluation_sums_unchanged():
+    torch.manual_seed(0)
+    model = build_model("cnn", DataInfo("digits", (1, 8, 8), 10))
+    ds = torch.utils.data.TensorDataset(torch.randn(10, 1, 8, 8), torch.randint(0, 10, (10,)))
+    loader = torch.utils.data.DataLoader(ds, batch_size=4)  # 3 batches
+    padded = SameBatchCount(loader, 5)
+    assert len(padded) == 5 and [len(x) for x, _ in padded] == [4, 4, 2, 0, 0]
+    amp = Precision(Config(), torch.device("cpu"))
+    assert [t.item() for t in evaluate(model, padded, torch.device("cpu"), amp)] == \
+           [t.item() for t in evaluate(model, loader, torch.device("cpu"), amp)]
+
+
+# ---------------------------------------------------------------------- the CLI
+def test_help_lists_the_zero_flags_with_their_defaults(capsys):
+    with pytest.raises(SystemExit) as e:
+        run(zero_loop.train, zero_loop.ZeroConfig, script="zero", doc=zero_loop.__doc__, argv=["--help"],
+            **zero_loop.DEFAULTS)
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    assert "torchrun --nproc_per_node=4 launch/zero.py --stage 2" in text
+    text = " ".join(text.split())  # argparse wraps the help lines
+    assert re.search(r"--stage \{1,2,3\} ZeRO stage: 1 shards [^(]* \(default: 2\)", text)
+    assert re.search(r"--impl \{torch,fairscale\} torch \(ZeroRedundancyOptimizer, FSDP2[^)]*\) or fairscale "
+                     r".* \(default: torch\)", text)
+    assert "--reduce-buffer-size" in text and "--backend" in text  # and the DDP loop's flags
+    assert "--batch-size BATCH_SIZE samples per micro-batch, per process (default: 8)" in text
+
+
+# (argv, the one error line's start)
+BAD_INPUT = [
+    (["--impl", "fairscale", "--stage", "3"],
+     "error: --stage: 3 with --impl fairscale is FullyShardedDataParallel, which needs CUDA; on the CPU use --impl "
+     "torch (FSDP2, its successor) (allowed: --impl torch, or --stage 1, 2)"),
+    (["--precision", "16-o2"], "error: --precision: 16-o2 keeps fp32 master weights outside the model"),
+    (["--impl", "fairscale", "--stage", "1", "--precision", "apex-o2"], "error: --precision: apex-o2 needs apex.amp"),
+    (["--impl", "fairscale", "--stage", "2", "--precision", "16-mixed"],
+     "error: --precision: 16-mixed with fairscale stage 2 needs fairscale's ShardedGradScaler"),
+    (["--reduce-buffer-size", "0"], "error: --reduce-buffer-size: is ShardedDataParallel's, used by --impl "
+                                    "fairscale --stage 2 only"),
+    (["--impl", "fairscale", "--stage", "2", "--reduce-buffer-size", "-1"],
+     "error: --reduce-buffer-size: -1 is out of range (allowed: >= 0)"),
+    (["--stage", "0"], "error: --stage: invalid choice: 0 (allowed: 1, 2, 3)"),
+    (["--impl", "deepspeed"], "error: --impl: invalid choice: 'deepspeed' (allowed: 'torch', 'fairscale')"),
+    (["--sync-bn"], "error: --sync-bn: SyncBatchNorm runs on CUDA devices only"),  # the DDP loop's checks hold
+]
+
+
+def _run_bad(argv, out):
+    try:
+        return run(zero_loop.train, zero_loop.ZeroConfig, script="zero", argv=argv + ["--out-dir", str(out)],
+                   **zero_loop.DEFAULTS)
+    except SystemExit as e:  # argparse's own errors exit from inside the parser
+        return e.code
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only refusals")
+@pytest.mark.parametrize("argv,line", BAD_INPUT, ids=[" ".join(a) for a, _ in BAD_INPUT])
+def test_bad_input_is_one_line_and_exit_2(argv, line, capsys, tmp_path, lone_process):
+    out = tmp_path / "run"
+    assert _run_bad(argv, out) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(line) and err.count("\n") == 1, err
+    assert not out.exists(), "validation runs before any directory is created"
+
+
+def test_without_fairscale_the_error_says_how_to_install_it(capsys, tmp_path, lone_process, monkeypatch):
+    """fairscale is the optional extra `zero`: hide it (None in sys.modules makes `import fairscale` fail)."""
+    monkeypatch.setitem(sys.modules, "fairscale", None)
+    assert _run_bad(["--impl", "fairscale", "--stage", "1"], tmp_path / "run") == 2
+    assert capsys.readouterr().err == ("error: --impl: fairscale is not installed (pip install -e '.[zero]') "
+                                       "(allowed: torch)\n")
+    assert make_cfg(tmp_path, zero_loop.ZeroConfig, stage=3).impl == "torch"  # the default needs no fairscale
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only refusal")
+def test_fairscale_stage_3_on_the_cpu_from_the_launch_script_is_one_line_and_exit_2(tmp_path):
+    """A real `python launch/zero.py --impl fairscale --stage 3`: status 2, one line on stderr, no traceback."""
+    proc = run_script("zero", "--impl", "fairscale", "--stage", "3", "--out-dir", str(tmp_path / "run"), timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [BAD_INPUT[0][1]], proc.stderr
+    assert not (tmp_path / "run").exists()
+
+
+# ---------------------------------------------------------------------- a group of one
+def test_plain_python_is_a_group_of_one_equal_to_the_ddp_loop(tmp_path, lone_process):
+    """The defaults (--impl torch --stage 2: FSDP2) at world size 1: the DDP loop's weights, bit for bit."""
+    flags = dict(max_steps=10, batch_size=32, log_every=5)
+    summary = zero_loop.train(make_cfg(tmp_path / "zero", zero_loop.ZeroConfig, **flags))
+    ddp.train(make_cfg(tmp_path / "ddp", ddp.DDPConfig, **flags))
+    assert not torch.distributed.is_initialized(), "the group was left (destroy_process_group)"
+    assert summary["world_size"] == 1 and summary["script"] == "zero" and summary["zero_stage"] == 2
+    assert max_param_diff(load_model_state(tmp_path / "zero" / "run"),
+                          load_model_state(tmp_path / "ddp" / "run")) == 0.0
+
+
+# ---------------------------------------------------------------------- teach by diff
+def marked_lines(lines: list[str], tag: str) -> set[int]:
+    """Indices of lines inside `# >>> TAG` ... `# <<< TAG` blocks (markers included) or ending in `# TAG...`."""
+    marked, inside = set(), False
+    for i, line in enumerate(lines):
+        if line.strip().startswith(f"# >>> {tag}"):
+            inside = True
+        if inside or re.search(rf"  # {tag}(:|$)", line):
+            marked.add(i)
+        if line.strip().startswith(f"# <<< {tag}"):
+            inside = False
+    return marked
+
+
+def unmarked_differences(base: list[str], derived: list[str], tag: str) -> list[str]:
+    """docs/CONTRIBUTING-loops.md: every added or changed line is marked; removed lines have a block in their place."""
+    marked, unmarked = marked_lines(derived, tag), []
+    for op, i1, i2, j1, j2 in difflib.SequenceMatcher(a=base, b=derived, autojunk=False).get_opcodes():
+        if op in ("replace", "insert"):
+            unmarked += [f"{j + 1}: {derived[j]}" for j in range(j1, j2) if j not in marked and derived[j].strip()]
+        elif op == "delete" and not ({j1 - 1, j1} & marked):
+            unmarked += [f"(removed) {base[i]}" for i in range(i1, i2)]
+    return unmarked
+
+
+def test_every_line_that_differs_from_the_ddp_loop_is_marked_zero():
+    base = (REPO / "manual_train/loops/ddp.py").read_text().splitlines()
+    derived = (REPO / "manual_train/loops/zero.py").read_text().splitlines()
+    unmarked = unmarked_differences(base, derived, "ZERO")
+    assert not unmarked, "unmarked differences from loops/ddp.py:\n" + "\n".join(unmarked)
+    # and the check bites: an edit without a marker is reported
+    tampered = derived.copy()
+    tampered[tampered.index("    early = EarlyStopping(cfg.monitor, cfg.early_stop_patience, cfg.early_stop_min_delta)")] \
+        = "    early = EarlyStopping(cfg.monitor, 0, cfg.early_stop_min_delta)"
+    assert len(unmarked_differences(base, tampered, "ZERO")) == 1
+
+
+def test_launch_zero_mirrors_launch_ddp():
+    ddp_launch = (REPO / "launch/ddp.py").read_text()
+    zero_launch = (REPO / "launch/zero.py").read_text()
+    body = zero_launch.split('"""', 2)[2]  # after the docstring
+    assert body == ddp_launch.split('"""', 2)[2].replace("ddp.DDPConfig", "zero.ZeroConfig").replace(
+        "ddp", "zero")
+    assert zero_loop.DEFAULTS is ddp.DEFAULTS  # the DDP loop's per-rank batch of 8
