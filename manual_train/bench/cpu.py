@@ -154,7 +154,7 @@ def _loop_overhead_child(repeats: int, first: int, last: int) -> dict:
 
 def loop_overhead(bench: Bench) -> Outcome:
     first, last = 20, 180
-    raw = bench.child(_loop_overhead_child, repeats=bench.repeats(5, 15), first=first, last=last)
+    raw = bench.child(_loop_overhead_child, repeats=bench.repeats(9, 15), first=first, last=last)
     metric = f"time of steps {first + 1}-{last} (mlp, digits, batch 8)"
     rows = [ratio_row(bench.entry, "10-line bare loop", "loops.single.train", metric, raw["bare"], raw["ours"],
                       claim="(no number claimed)", goal=Goal("<=", 1.05))]
@@ -248,7 +248,7 @@ def data_io(bench: Bench) -> Outcome:
 def data_cpu(bench: Bench) -> Outcome:
     samples, workers = bench.pick(384, 1024), (0, 2, 4)
     raw = bench.child(_loader_child, kind="decode", workers=workers, samples=samples, batch_size=32,
-                      latency_s=0.0, repeats=bench.repeats(2, 5))
+                      latency_s=0.0, repeats=bench.repeats(3, 5))
     metric = "samples/s, JPEG decode + RandomResizedCrop + flip + normalise"
     rows = [ratio_row(bench.entry, "num_workers=0", f"num_workers={w}", metric, raw["workers=0"], raw[f"workers={w}"],
                       better="higher", claim=CLAIM_WORKERS) for w in workers[1:]]
@@ -420,7 +420,7 @@ EVAL_MODES = {"grad": "grad-enabled", "no_grad": "torch.no_grad", "inference": "
 def evaluation(bench: Bench) -> Outcome:
     samples, batch_size = bench.pick(512, 1024), 256
     raw = {m: [] for m in EVAL_MODES}
-    for _ in range(bench.repeats(2, 5)):
+    for _ in range(bench.repeats(3, 5)):
         for mode in EVAL_MODES:
             raw[mode].append(bench.child(_eval_child, mode=mode, samples=samples, batch_size=batch_size))
 
@@ -468,7 +468,7 @@ ACCUM_CONFIGS = {"64x1": (64, 1), "16x4": (16, 4), "1x64": (1, 64)}
 
 def accumulation(bench: Bench) -> Outcome:
     raw = {name: [] for name in ACCUM_CONFIGS}
-    for _ in range(bench.repeats(1, 3)):
+    for _ in range(bench.repeats(2, 3)):
         for name, (b, k) in ACCUM_CONFIGS.items():
             raw[name].append(bench.child(_accumulation_child, batch_size=b, accumulate=k, steps=2))
     peak = {name: [r["peak_delta_bytes"] for r in runs] for name, runs in raw.items()}
@@ -506,7 +506,7 @@ def _early_stopping_child(epochs: int, patience: int, repeats: int) -> dict:
 
 def early_stopping(bench: Bench) -> Outcome:
     epochs, patience = 40, 10
-    raw = bench.child(_early_stopping_child, epochs=epochs, patience=patience, repeats=bench.repeats(1, 3))
+    raw = bench.child(_early_stopping_child, epochs=epochs, patience=patience, repeats=bench.repeats(2, 3))
     fixed, early = raw["fixed"], raw["early"]
     entry, base, var = bench.entry, f"fixed {epochs} epochs", f"--early-stop-patience {patience}"
     rows = [
@@ -542,7 +542,7 @@ def _precision_cpu_child(precisions: tuple, repeats: int, first: int, last: int)
 def precision_cpu(bench: Bench) -> Outcome:
     precisions = ("32-true", "bf16-mixed", "16-mixed", "16-o2")
     first, last = 2, 6
-    raw = bench.child(_precision_cpu_child, precisions=precisions, repeats=bench.repeats(1, 5), first=first, last=last)
+    raw = bench.child(_precision_cpu_child, precisions=precisions, repeats=bench.repeats(2, 5), first=first, last=last)
     metric = f"time of steps {first + 1}-{last} (cnn, synthetic 3x16x16, batch 16)"
     rows = [ratio_row(bench.entry, "32-true", p, metric, raw["32-true"], raw[p], claim=CLAIM_AMP)
             for p in precisions[1:]]

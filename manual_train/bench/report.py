@@ -129,6 +129,9 @@ def write_json(path: Path, *, suite: str, quick: bool, command: str, machine: di
 
 
 # ---------------------------------------------------------------------- the chart
+GREEN, RED, GREY = "#3a9a5b", "#d1495b", "#9aa5b1"
+
+
 def write_chart(path: Path, rows: list, title: str) -> bool:
     """Horizontal bars of every ratio row's median (log scale), min-max whiskers, goals as black ticks.
 
@@ -142,25 +145,29 @@ def write_chart(path: Path, rows: list, title: str) -> bool:
     matplotlib.use("Agg")  # files only, no display needed
     import matplotlib.pyplot as plt
 
+    from matplotlib.patches import Patch
+
     labels = [f"{r.entry}: {r.variant} / {r.baseline} [{r.metric.split(' (')[0].split(',')[0][:32]}]"
-              for r in ratio_rows]
-    colors = ["#9aa5b1" if r.met is None else "#3a9a5b" if r.met else "#d1495b" for r in ratio_rows]
-    fig, ax = plt.subplots(figsize=(11, 0.42 * len(ratio_rows) + 1.6))
+              + (f", goal {r.goal}" if r.goal else "") for r in ratio_rows]
+    colors = [GREY if r.met is None else GREEN if r.met else RED for r in ratio_rows]
+    fig, ax = plt.subplots(figsize=(12, 0.42 * len(ratio_rows) + 1.8))
     ys = list(range(len(ratio_rows)))[::-1]
     medians = [r.median for r in ratio_rows]
     lows = [max(r.median - r.spread[0], 0) for r in ratio_rows]
     highs = [max(r.spread[1] - r.median, 0) for r in ratio_rows]
     ax.barh(ys, medians, color=colors, xerr=[lows, highs], error_kw={"elinewidth": 1, "capsize": 2})
     for y, r in zip(ys, ratio_rows):
+        ax.annotate(f"{r.median:.3g}", (r.median, y), xytext=(3, 5), textcoords="offset points", fontsize=7)
         if r.goal:
-            ax.plot([r.goal.value, r.goal.value], [y - 0.42, y + 0.42], color="black", linewidth=2)
-            ax.annotate(f"goal {r.goal}", (r.goal.value, y), xytext=(4, 0), textcoords="offset points",
-                        va="center", fontsize=7)
+            ax.plot([r.goal.value, r.goal.value], [y - 0.42, y + 0.42], color="black", linewidth=2.5)
     ax.axvline(1.0, color="black", linestyle=":", linewidth=1)
     ax.set_xscale("log")
     ax.set_yticks(ys)
     ax.set_yticklabels(labels, fontsize=8)
-    ax.set_xlabel("median ratio variant / baseline (log scale; 1 = no change; whiskers: min-max over repeats)")
+    ax.set_xlabel("variant / baseline, median of the paired repeats (log scale); whiskers: min-max; "
+                  "black tick: the goal", fontsize=8)
+    ax.legend(handles=[Patch(color=GREEN, label="goal met"), Patch(color=RED, label="goal missed"),
+                       Patch(color=GREY, label="reported only")], fontsize=7, loc="best")
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
