@@ -1,0 +1,175 @@
+"""Docs that cannot rot: loop diff pages up to date, every loop change marked, and every path, name,
+test and command the README and docs/ mention exists and runs (--help) with the flags they show."""
+from __future__ import annotations
+
+import contextlib
+import io
+import re
+import runpy
+import shutil
+import sys
+from functools import lru_cache
+from pathlib import Path
+
+import pytest
+from conftest import REPO
+
+from manual_train import docs
+
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]  # docs/diffs/ is generated from code
+LAUNCH_SCRIPTS = sorted(p.stem for p in (REPO / "launch").glob("*.py"))
+MODULES = ["manual_train.bench", "manual_train.find_batch_size", "manual_train.docs"]
+
+
+# ---------------------------------------------------------------------- teach by diff
+@pytest.mark.parametrize("loop", docs.existing_loops(), ids=lambda loop: loop.name)
+def test_every_loop_change_is_marked(loop):
+    """Fails when a loop changes a line outside a marked block, or when its base loop changed and the
+    change was not ported (the base's new lines then show up as unmarked differences)."""
+    bad = docs.unmarked_differences(docs.loop_lines(loop.base), docs.loop_lines(loop.name), loop.tag)
+    assert bad == [], f"{loop.name}.py vs {loop.base}.py:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize("loop", docs.existing_loops(), ids=lambda loop: loop.name)
+def test_diff_page_is_up_to_date(loop):
+    page = docs.page_path(loop)
+    assert page.exists() and page.read_text() == docs.render(loop), \
+        f"{page.relative_to(REPO)} is stale: run python -m manual_train.docs"
+
+
+def test_the_checks_catch_an_unmarked_edit_and_a_stale_page(tmp_path):
+    (tmp_path / "manual_train" / "loops").mkdir(parents=True)
+    (tmp_path / "docs" / "diffs").mkdir(parents=True)
+    for name in ("single", "ddp"):
+        shutil.copy(REPO / "manual_train" / "loops" / f"{name}.py", tmp_path / "manual_train" / "loops")
+    shutil.copy(REPO / "docs" / "diffs" / "ddp.md", tmp_path / "docs" / "diffs")
+    assert docs.problems(tmp_path) == []
+    path = tmp_path / "manual_train" / "loops" / "ddp.py"
+    text = path.read_text()
+    path.write_text(text.replace("    model.train()\n", "    model.train()\n    torch.set_num_threads(1)\n", 1))
+    found = docs.problems(tmp_path)
+    assert any("out of date" in f for f in found)
+    assert any("unmarked line" in f and "torch.set_num_threads(1)" in f for f in found)
+
+
+# ---------------------------------------------------------------------- --help of every entry point
+def run_help(target: str) -> str:
+    """Execute a launch script (or `python -m` module) in-process with --help; return what it printed."""
+    out = io.StringIO()
+    argv = sys.argv
+    try:
+        with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as exit_info:
+            if target.startswith("manual_train."):
+                sys.argv = [target, "--help"]
+                runpy.run_module(target, run_name="__main__", alter_sys=True)
+            else:
+                sys.argv = [f"{target}.py", "--help"]
+                runpy.run_path(str(REPO / "launch" / f"{target}.py"), run_name="__main__")
+    finally:
+        sys.argv = argv
+    assert exit_info.value.code in (0, None), out.getvalue()
+    return out.getvalue()
+
+
+@lru_cache(maxsize=None)
+def flags_of(target: str) -> frozenset:
+    return frozenset(re.findall(r"--[a-z0-9][a-z0-9-]*", run_help(target)))
+
+
+@pytest.mark.parametrize("target", LAUNCH_SCRIPTS + MODULES)
+def test_help_runs_and_explains(target):
+    text = run_help(target)
+    assert text.startswith("usage:") and "--help" in text
+    assert len(flags_of(target)) >= 2
+
+
+# ---------------------------------------------------------------------- no rot in README and docs
+PATH_RE = re.compile(r"(?<![\w./-])((?:manual_train|launch|tests|docs|scripts)/[\w/.\-]*[\w/])")
+TEST_RE = re.compile(r"(tests/[\w/]+\.py)::(\w+)")
+SPAN_RE = re.compile(r"`([^`\n]+)`")
+COMMAND_RE = re.compile(r"(?:python3?|torchrun)\b[^`\n|]*?(?:launch/(\w+)\.py|-m (manual_train\.\w+))([^`\n|#]*)")
+
+
+def mentions():
+    for page in PAGES:
+        for number, line in enumerate(page.read_text().splitlines(), 1):
+            yield page.name if page.parent != REPO / "docs" else f"docs/{page.name}", number, line
+
+
+def test_every_mentioned_path_exists():
+    missing = []
+    for page, number, line in mentions():
+        for path in PATH_RE.findall(line):
+            path = path.split("::")[0]
+            if "<" in path or "*" in path or path.endswith(".pt"):
+                continue
+            if not (REPO / path).exists():
+                missing.append(f"{page}:{number}: {path}")
+    assert not missing, "\n".join(missing)
+
+
+def test_every_mentioned_test_exists():
+    missing = []
+    for page, number, line in mentions():
+        for path, name in TEST_RE.findall(line):
+            file = REPO / path
+            if not file.exists() or not re.search(rf"^def {name}\(", file.read_text(), re.M):
+                missing.append(f"{page}:{number}: {path}::{name}")
+    assert not missing, "\n".join(missing)
+
+
+def test_names_mentioned_beside_a_file_exist_in_it():
+    """`manual_train/x.py`, `name` (or `Class.method`, or `name(...)`) on one line: the name must occur
+    in that file. Renaming a function without updating its docs fails here."""
+    missing = []
+    for page, number, line in mentions():
+        for segment in re.split(r"\||(?<=[.;])\s", line):  # a table cell or a sentence
+            missing += [f"{page}:{number}: {name}" for name in names_missing_beside_files(segment)]
+    assert not missing, "\n".join(missing)
+
+
+def names_missing_beside_files(segment: str) -> list:
+    missing, current = [], None
+    for span in SPAN_RE.findall(segment):
+        span = span.strip()
+        if re.fullmatch(r"manual_train/[\w/]+\.py", span):
+            current = (REPO / span).read_text() if (REPO / span).exists() else None
+            continue
+        if current is None:
+            continue
+        name = re.match(r"([A-Za-z_][\w.]*)(\(.*\))?$", span)
+        if not name or span.startswith("--") or name.group(1) in ("True", "False", "None"):
+            continue
+        parts = name.group(1).split(".")
+        if not all(re.search(rf"\b{re.escape(p)}\b", current) for p in parts):
+            missing.append(name.group(1))
+    return missing
+
+
+def test_every_command_in_the_docs_takes_the_flags_it_shows():
+    bad = []
+    for page, number, line in mentions():
+        for script, module, rest in COMMAND_RE.findall(line):
+            target = script or module
+            if script and not (REPO / "launch" / f"{script}.py").exists():
+                bad.append(f"{page}:{number}: no launch/{script}.py")
+                continue
+            if module and module not in MODULES:
+                bad.append(f"{page}:{number}: unknown module {module}")
+                continue
+            for flag in re.findall(r"(?<![\w-])--[a-z0-9][a-z0-9-]*", rest):
+                if flag not in flags_of(target):
+                    bad.append(f"{page}:{number}: {target} has no {flag}")
+    assert not bad, "\n".join(bad)
+
+
+def test_the_rot_checks_can_fail(monkeypatch, tmp_path):
+    page = tmp_path / "rotten.md"
+    page.write_text("See `manual_train/data.py`, `build_loader_v2`, and tests/test_data.py::test_gone;\n"
+                    "run `python launch/single.py --no-such-flag` or manual_train/nowhere.py.\n")
+    monkeypatch.setattr(sys.modules[__name__], "PAGES", [page])
+    monkeypatch.setattr(sys.modules[__name__], "REPO", REPO)
+    for check in (test_every_mentioned_path_exists, test_every_mentioned_test_exists,
+                  test_names_mentioned_beside_a_file_exist_in_it, test_every_command_in_the_docs_takes_the_flags_it_shows):
+        with pytest.raises(AssertionError):
+            check()
