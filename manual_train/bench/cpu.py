@@ -7,8 +7,8 @@ return plain numbers. Where an entry measures a project technique it runs the pr
 baselines that the project deliberately does not contain (a 10-line loop, grad-enabled evaluation,
 the retained-graph logging anti-pattern) are written here.
 
-Adding an entry (e.g. the ZeRO per-rank bytes once manual_train/zero.py lands): write one function
-that returns an Outcome and add it to ENTRIES.
+Adding an entry: write one function that returns an Outcome and add it to ENTRIES (zero_memory was
+added that way when manual_train/zero.py landed).
 """
 from __future__ import annotations
 
@@ -551,6 +551,52 @@ def precision_cpu(bench: Bench) -> Outcome:
     return Outcome(rows, raw, notes)
 
 
+# ---------------------------------------------------------------------- ZeRO: bytes held per rank
+ZERO_CONFIGS = (("ddp", 0), ("torch", 1), ("torch", 2), ("torch", 3), ("fairscale", 1), ("fairscale", 2))
+
+
+def _zero_child(world_sizes: tuple, configs: tuple) -> dict:
+    from manual_train import zero
+
+    # zero.measure_per_rank_bytes starts N gloo processes, takes one AdamW step of each config in them and
+    # reads the storage each rank holds afterwards (manual_train/zero.py: per_rank_bytes)
+    return {str(n): zero.measure_per_rank_bytes(n, "cnn", "adamw", configs=configs) for n in world_sizes}
+
+
+def zero_memory(bench: Bench) -> Outcome:
+    import importlib.util
+
+    configs, notes = ZERO_CONFIGS, []
+    if importlib.util.find_spec("fairscale") is None:
+        configs = tuple(c for c in configs if c[0] != "fairscale")
+        notes.append("fairscale is not installed, so its rows (OSS, OSS + ShardedDDP) are missing "
+                     "(pip install -e '.[zero]').")
+    raw = bench.child(_zero_child, world_sizes=(2, 4), configs=configs)
+    rows = []
+    for n, result in raw.items():
+        ddp, kb = result["rows"][0], 1024
+        for r in result["rows"]:
+            measured = "/".join(f"{max(x[k] for x in r['per_rank']) / kb:.0f}"
+                                for k in ("params", "grads", "optimizer_state"))
+            formula = "/".join(f"{r['formula'][k] / kb:.0f}" for k in ("params", "grads", "optimizer_state"))
+            held = max(x["params_after_forward"] for x in r["per_rank"]) / kb
+            notes.append(f"N={n} {r['impl']} stage {r['stage']}: params/grads/AdamW state per rank, KB (largest "
+                         f"rank): measured {measured}, paper's formula {formula}; parameters held between forward "
+                         f"and backward {held:.0f}")
+            if r is ddp:
+                continue
+            predicted = r["formula"]["total"] / ddp["formula"]["total"]
+            rows.append(ratio_row(bench.entry, "DDP", f"{r['impl']} stage {r['stage']}, N={n}",
+                                  f"per-rank bytes, params + grads + AdamW state (cnn, {result['psi']:,} params)",
+                                  [x["total"] for x in ddp["per_rank"]],
+                                  [x["total"] for x in r["per_rank"]], claim=f"ZeRO paper's formula: {predicted:.3f}"))
+    notes.append("Storage held between steps, one value per rank, counted by manual_train.zero.per_rank_bytes "
+                 "(communication buckets and activations are not in it). fairscale's OSS shards whole tensors, so "
+                 "its ranks differ; torch's stage 2 (FSDP2, reshard_after_forward=False) reshards after backward, so "
+                 "between steps it holds what stage 3 holds and differs only between forward and backward.")
+    return Outcome(rows, raw, notes)
+
+
 # name -> (function, what it measures). Order = run order; cheap entries first.
 ENTRIES = {
     "data_io": (data_io, "num_workers 0/2/4 on an I/O-bound dataset (data.SlowReads)"),
@@ -561,4 +607,5 @@ ENTRIES = {
     "early_stopping": (early_stopping, "wall time and epochs: fixed budget vs patience 10"),
     "data_cpu": (data_cpu, "num_workers 0/2/4 on a CPU-bound dataset (JPEG decode + augment); reported only"),
     "precision_cpu": (precision_cpu, "step time of 32-true vs bf16-mixed / 16-mixed / 16-o2 on the CPU; reported only"),
+    "zero_memory": (zero_memory, "per-rank bytes of DDP and each ZeRO stage at N = 2, 4 vs the paper's formula"),
 }
