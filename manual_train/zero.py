@@ -62,8 +62,8 @@ def check_zero(impl: str, stage: int, precision: str, on_cuda: bool, reduce_buff
     if impl == "fairscale":
         fairscale_or_error()
         if stage == 3 and not on_cuda:
-            # Its constructor fails without a CUDA driver; with compute_device=cpu it fails later, in
-            # forward (KeyError 'all_gather'): it uses CUDA streams unconditionally.
+            # Its forward fails without CUDA (KeyError 'all_gather', also with compute_device=cpu): it uses CUDA
+            # streams unconditionally.
             raise UsageError("--stage", "3 with --impl fairscale is FullyShardedDataParallel, which needs CUDA; on "
                                         "the CPU use --impl torch (FSDP2, its successor)",
                              "--impl torch, or --stage 1, 2")
@@ -531,12 +531,15 @@ def _measure_main(rank: int, world_size: int, port: int, out_dir: str, configs, 
 
 
 def measure_per_rank_bytes(world_size: int, model_name: str = "cnn", optimizer_name: str = "adamw",
-                           configs=((None, 0),) + CPU_CAPABLE) -> dict:
+                           configs=(("ddp", 0),) + CPU_CAPABLE, start_method: str = "spawn") -> dict:
     """For the benchmark: per-rank bytes of DDP and each ZeRO (impl, stage) at N = world_size, with the formulas.
 
-    Starts world_size CPU processes (gloo), one step each; returns
-    {"world_size", "model", "psi", "bytes_per_param": {...}, "rows": [{"impl", "stage", "per_rank": [...],
-    "formula": {...}}]} where stage 0 is plain DDP and "formula" is zero_formula_bytes for fp32 `optimizer_name`.
+    Starts world_size CPU processes (gloo; `start_method` as torch.multiprocessing's, "forkserver" reuses a warm
+    server), runs one step of each config in them (measure_rank), and returns
+    {"world_size", "model", "psi", "bytes_per_param": {...}, "rows": [{"impl", "stage", "per_rank": [{"params",
+    "grads", "optimizer_state", "total", "params_after_forward"}, ...one per rank], "formula": {...}}, ...]}
+    where stage 0 is plain DDP and "formula" is zero_formula_bytes with fp32 `optimizer_name`'s bytes per parameter.
+    Image models only (mlp, cnn, resnet18), on digits-shaped input (1 x 8 x 8, 10 classes).
     """
     import torch.multiprocessing as mp
 
@@ -547,13 +550,14 @@ def measure_per_rank_bytes(world_size: int, model_name: str = "cnn", optimizer_n
     configs = [tuple(c) for c in configs]
     with tempfile.TemporaryDirectory() as out_dir:
         mp.start_processes(_measure_main, args=(world_size, _free_port(), out_dir, configs, model_name,
-                                                optimizer_name), nprocs=world_size, join=True, start_method="spawn")
+                                                optimizer_name), nprocs=world_size, join=True,
+                           start_method=start_method)
         ranks = [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(world_size)]
     psi = sum(p.numel() for p in build_model(model_name, DataInfo("digits", (1, 8, 8), 10)).parameters())
     per_param = {"param_bytes": 4, "grad_bytes": 4, "state_bytes": state_bytes_per_param(optimizer_name)}
     rows = []
     for i, (impl, stage) in enumerate(configs):
-        rows.append({"impl": impl or "ddp", "stage": stage,
+        rows.append({"impl": impl, "stage": stage,
                      "per_rank": [{k: v for k, v in r[i].items() if k not in ("impl", "stage")} for r in ranks],
                      "formula": zero_formula_bytes(psi, world_size, stage, **per_param)})
     return {"world_size": world_size, "model": model_name, "psi": psi, "bytes_per_param": per_param, "rows": rows}

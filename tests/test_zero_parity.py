@@ -36,7 +36,7 @@ from manual_train.cli import run
 from manual_train.config import Config
 from manual_train.loops import ddp, single
 from manual_train.loops import zero as zero_loop
-from manual_train.zero import CPU_CAPABLE, largest_tensor_numel, measure_rank
+from manual_train.zero import CPU_CAPABLE, largest_tensor_numel, measure_per_rank_bytes, measure_rank
 
 TOL = 1e-6
 GLOBAL_BATCH = 32
@@ -357,6 +357,20 @@ def test_summary_reports_the_same_accounting_as_measure_rank(job2):
     assert summary["per_rank_bytes"] == measured
     assert summary["zero_impl"] == "torch" and summary["zero_stage"] == 3 and summary["psi"] == 89930
     assert summary["zero_formula_bytes"]["optimizer_state"] == 89930 * 8 / 2  # fp32 AdamW: 8 bytes per parameter
+
+
+def test_the_benchmarks_entry_point_measures_what_the_jobs_measured(job2):
+    """measure_per_rank_bytes (the function the benchmark calls) starts its own 2 ranks (here from the forkserver the
+    jobs warmed up) and returns, per (impl, stage), each rank's bytes and the formula: those of the 2-rank job."""
+    result = measure_per_rank_bytes(2, start_method="forkserver")
+    assert result["psi"] == 89930 and result["bytes_per_param"] == {"param_bytes": 4, "grad_bytes": 4, "state_bytes": 8}
+    assert [(row["impl"], row["stage"]) for row in result["rows"]] == [("ddp", 0), *CPU_CAPABLE]
+    memory = _memory(job2[1])
+    for row in result["rows"]:
+        key = f"{row['impl']}{row['stage']}"
+        assert row["per_rank"] == [{k: v for k, v in m[key].items() if k not in ("impl", "stage")} for m in memory]
+        # fp32 AdamW on 2 ranks: DDP 16 psi, stage 1 (4 + 4 + 8/2) psi, stage 2 (4 + 12/2) psi, stage 3 16/2 psi
+        assert row["formula"]["total"] == pytest.approx({0: 16, 1: 12, 2: 10, 3: 8}[row["stage"]] * 89930)
 
 
 # ---------------------------------------------------------------------- precision composes
