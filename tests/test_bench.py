@@ -7,6 +7,7 @@ equal the closed-form count. GPU-marked tests check the sync counts and FLOPs on
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import math
 import subprocess
@@ -192,6 +193,53 @@ def test_gpu_entry_code_runs_on_cpu(one_thread):
     assert mfu["flops_counted"] == mfu["flops_formula"] > 0 and mfu["peak_flops_per_s"] > 0
     assert len(mfu["step_s"]["eager"]) == 1
     gpu.set_tf32(False)
+
+
+class ShrunkBench(harness.Bench):
+    """Runs an entry's children in this process on the CPU at toy sizes, to check how entries build rows.
+
+    The children that only mean something on CUDA (copies from pinned memory, sync counts, compilation)
+    return results of the shape their CUDA runs return, with made-up numbers: what is checked here is the
+    entries' arithmetic and bookkeeping, not a measurement.
+    """
+
+    def child(self, fn, *, timeout_s=600, **kwargs):
+        if fn is gpu._copies_child:
+            readings = {"total_s": [0.2, 0.3], "host_s": [0.1, 0.2]}
+            return {"bytes": 10 ** 9, "pageable": readings, "pinned_non_blocking": readings,
+                    "pageable_non_blocking": readings}
+        if fn is gpu._syncs_per_step_child:
+            return {v: {"syncs": [0, 1, 0, 1], "log_steps": [1, 3]} for v in gpu.SYNC_VARIANTS}
+        if fn is gpu._loop_syncs_child:
+            return {"short_steps": 10, "long_steps": 40, "syncs": {10: 7, 40: 7}}
+        toy = {"batch_size": 2, "image_side": 16, "size": TINY_GPT, "steps": 1, "rounds": 1, "warmup": 1,
+               "peak_n": 64, "compile_model": False, "model_name": "resnet18"}  # 16-bit convs are slow on CPUs
+        accepted = inspect.signature(fn).parameters
+        kwargs.update({k: v for k, v in toy.items() if k in accepted and kwargs.get(k) != "gpt"})
+        if fn is gpu._precision_child and kwargs["model_name"] != "gpt":
+            # 16-bit convolutions take ~1 s a step on this CPU: time 32-true only and reuse it for the others
+            # (test_gpu_entry_code_runs_on_cpu runs every precision, on the GPT)
+            result = fn(**{**kwargs, "precisions": ("32-true",)}, device="cpu")
+            result["step_s"] = {f"{p}/{layout}": result["step_s"][f"32-true/{layout}"]
+                                for p in kwargs["precisions"] for layout in kwargs["layouts"]}
+            return result
+        result = fn(**kwargs, device="cpu")
+        if fn is gpu._gpt_child:  # compiling needs a GPU here: reuse the eager numbers for the compiled side
+            result["step_s"]["compiled"], result["compile_s"] = result["step_s"]["eager"], 0.0
+        return result
+
+
+def test_gpu_entries_build_finite_rows_on_cpu(tmp_path, one_thread):
+    bench = ShrunkBench(suite="gpu", quick=True, threads=None, log_dir=tmp_path,
+                        device_info={"available": True, "capability": "9.0"})
+    for name, (entry, _) in gpu.ENTRIES.items():
+        bench.entry = name
+        outcome = entry(bench)
+        assert outcome.rows, name
+        for row in outcome.rows:
+            assert row.entry == name and row.values and all(math.isfinite(v) for v in row.values), row
+    gpu.set_tf32(False)
+    torch.backends.cudnn.benchmark = False
 
 
 # ---------------------------------------------------------------------- on a GPU (scripts/gpu_check.sh)
