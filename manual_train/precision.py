@@ -131,6 +131,7 @@ class Precision:
             self.scaler = torch.amp.GradScaler(device.type, init_scale=cfg.loss_scale_init,
                                                growth_interval=cfg.loss_scale_growth_interval,
                                                enabled=cfg.precision == "16-mixed")
+        self._last_scale = cfg.loss_scale_init  # 16-mixed: the GradScaler's scale after the previous step
         self.model_params: list[nn.Parameter] = []  # 16-o2: the fp16 model's parameters ...
         self.master_params: list[nn.Parameter] = []  # ... and their fp32 masters, held by the optimizer
         self.found_inf = False
@@ -205,12 +206,14 @@ class Precision:
             optimizer.step()  # apex patched step() to skip itself after an overflow
             stepped = not getattr(self.apex_amp._amp_state.loss_scalers[0], "_has_overflow", False)
         elif self.scaler.is_enabled():
-            # GradScaler.step already syncs to decide (it calls .item() on found_inf); comparing
-            # the scale before and after update() tells us what it decided: it only shrinks on a skip.
-            scale_before = self.scaler.get_scale()
+            # GradScaler.step already syncs to decide (it calls .item() on found_inf) but does not say
+            # what it decided. The scale only shrinks on a skipped step, so comparing it with the
+            # previous step's (remembered on the host) tells; get_scale() is the one extra sync.
             self.scaler.step(optimizer)
             self.scaler.update()
-            stepped = self.scaler.get_scale() >= scale_before
+            scale = self.scaler.get_scale()
+            stepped = scale >= self._last_scale
+            self._last_scale = scale
         else:
             optimizer.step()
             stepped = True
@@ -250,4 +253,6 @@ class Precision:
                 self.apex_amp.load_state_dict(state["scaler"])
             elif state.get("precision") == self.name:  # a scale only means something to the same scaler
                 self.scaler.load_state_dict(state["scaler"])
+                if self.name == "16-mixed":
+                    self._last_scale = self.scaler.get_scale()
         self.skipped_steps = int(state.get("skipped_steps", 0))
