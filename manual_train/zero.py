@@ -131,15 +131,17 @@ def shard(raw_model: nn.Module, optimizer: torch.optim.Optimizer, impl: str, sta
     if impl == "torch" and stage == 1:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
-        # Rank r keeps the optimizer state of its share of the tensors (whole tensors, greedily balanced); after
-        # its local step it broadcasts its updated parameters to the others. The model is a plain DDP model.
+        # Rank r keeps the optimizer state of its share of the tensors (whole tensors, largest first, each to the
+        # least-loaded rank); after its local step it broadcasts its updated parameters to the others. The model
+        # is a plain DDP model: every rank still holds all parameters and all (all-reduced) gradients.
         optimizer = ZeroRedundancyOptimizer(params, optimizer_class=optimizer_class, **kwargs)
         return DDP(raw_model, device_ids=device_ids), optimizer
     if impl == "fairscale" and stage in (1, 2):
         from fairscale.optim import OSS
 
-        # OSS: the same partition idea (whole tensors, greedily by size); it also makes each rank's parameters
-        # views of one flat buffer per owner rank, so that the broadcast after the step is one call per rank.
+        # OSS: the same idea (whole tensors, in parameter order, each to the rank with the fewest elements so
+        # far); it also makes the parameters views of one flat buffer per owner rank, so that the broadcast
+        # after the step is one call per owner.
         optimizer = OSS(params, optim=optimizer_class, **kwargs)
         if stage == 1:
             return DDP(raw_model, device_ids=device_ids), optimizer
@@ -519,8 +521,11 @@ def _measure_main(rank: int, world_size: int, port: int, out_dir: str, configs, 
                   optimizer_name: str) -> None:
     from manual_train.distributed import read_env, setup, teardown
 
+    # torchrun's environment, its agent's store included: the parent holds the store's port open, so no other
+    # process can take it between choosing it and using it (distributed.restart_safe_store joins it)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT="0")
     torch.set_num_threads(1)
     setup(read_env(), torch.device("cpu"), "gloo", 300)
     try:
@@ -544,15 +549,16 @@ def measure_per_rank_bytes(world_size: int, model_name: str = "cnn", optimizer_n
     import torch.multiprocessing as mp
 
     from manual_train.data import DataInfo
-    from manual_train.distributed import _free_port
     from manual_train.models import build_model
 
     configs = [tuple(c) for c in configs]
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # as torchrun's agent hosts it
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(_measure_main, args=(world_size, _free_port(), out_dir, configs, model_name,
+        mp.start_processes(_measure_main, args=(world_size, store.port, out_dir, configs, model_name,
                                                 optimizer_name), nprocs=world_size, join=True,
                            start_method=start_method)
         ranks = [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(world_size)]
+    del store
     psi = sum(p.numel() for p in build_model(model_name, DataInfo("digits", (1, 8, 8), 10)).parameters())
     per_param = {"param_bytes": 4, "grad_bytes": 4, "state_bytes": state_bytes_per_param(optimizer_name)}
     rows = []

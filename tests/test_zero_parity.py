@@ -1,13 +1,15 @@
 """ZeRO (manual_train/loops/zero.py) against plain DDP, in real gloo process groups, and the torchrun CLI pairing.
 
 Two jobs run the loops in real processes, 2 ranks and 4 ranks, each rank calling `zero.train` / `ddp.train` with
-torchrun's environment set by hand (as tests/test_ddp_parity.py does), scenario after scenario, and writing each
-rank's results to a JSON file that the tests below assert on. Every parity scenario is AdamW (lr 1e-3, constant
+torchrun's environment set by hand (as tests/test_ddp_parity.py does; here with a store hosted by the test process,
+as torchrun's agent hosts one), scenario after scenario, and writing each rank's results to a JSON file that the
+tests below assert on. Every parity scenario is AdamW (lr 1e-3, constant
 schedule), 6 optimizer steps of global batch 32, compared with DDP under the same flags in the same job.
 
 What is proven here (docs/zero.md cites these names):
   parity ............ every CPU-capable (impl, stage) == DDP within 1e-6 at 2 and 4 ranks, plain, --accumulate 2,
-                      --grad-clip (and clipping really clipped: it changes the weights)
+                      --grad-clip (and clipping really clipped: it changes the weights); --restore-best's
+                      reload into the shards gives DDP's validation loss
   the zero_grad trap  fairscale stage 2, default reduce buffers, optimizer.zero_grad(): far from DDP; the loop's
                       zeroing: equal
   checkpoints ....... each impl's last.pt holds DDP's model and optimizer state at the same step (the plain
@@ -30,7 +32,6 @@ import pytest
 import torch
 import torch.multiprocessing as tmp_mp
 from conftest import load_model_state, make_cfg, max_param_diff, run_script
-from test_ddp_parity import _free_ports
 
 from manual_train.cli import run
 from manual_train.config import Config
@@ -42,7 +43,8 @@ TOL = 1e-6
 GLOBAL_BATCH = 32
 STEPS = 6
 FLAGS = dict(optimizer="adamw", lr=1e-3, schedule="constant", max_steps=STEPS, dist_timeout_s=120, log_every=3)
-VARIANTS = {"plain": {}, "accumulate": {"accumulate": 2}, "clip": {"grad_clip": 0.05}}
+# The clip variant also takes the --restore-best path at the end (best.pt is the last epoch's: the same weights).
+VARIANTS = {"plain": {}, "accumulate": {"accumulate": 2}, "clip": {"grad_clip": 0.05, "restore_best": True}}
 IMPL_STAGES = [f"{impl}{stage}" for impl, stage in CPU_CAPABLE]  # torch1 torch2 torch3 fairscale1 fairscale2
 PRECISION_STEPS = 4
 
@@ -137,15 +139,22 @@ def _scenario_sharded_checkpoint(out: Path) -> dict:
         teardown()
 
 
-def _rank_main(rank: int, world_size: int, ports: list, out_dir: str, scenarios: list) -> None:
-    """One rank: torchrun's environment by hand, then the scenarios in order (each joins and leaves a group)."""
+def _rank_main(rank: int, world_size: int, store_port: int, out_dir: str, scenarios: list) -> None:
+    """One rank: torchrun's environment by hand, then the scenarios in order (each joins and leaves a group).
+
+    As under torchrun, the ranks meet at a store their parent hosts (TORCHELASTIC_USE_AGENT_STORE), and each
+    scenario is to that store what a torchrun restart is: a new group whose keys carry its own attempt number
+    (distributed.restart_safe_store). One port, held open by the parent for the whole job: no port picked in
+    advance that another process on this shared machine could take in the meantime.
+    """
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1")
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store_port),
+                      TORCHELASTIC_USE_AGENT_STORE="True")
     torch.set_num_threads(1)  # as torchrun sets OMP_NUM_THREADS=1: 4 ranks share 2 cores
     out = Path(out_dir)
     results = {}
-    for name, port in zip(scenarios, ports):
-        os.environ["MASTER_PORT"] = str(port)
+    for attempt, name in enumerate(scenarios):
+        os.environ["TORCHELASTIC_RESTART_COUNT"] = str(attempt)
         if name == "memory":
             from manual_train.distributed import read_env, setup, teardown
 
@@ -167,8 +176,12 @@ def run_job(world_size: int, out_dir: Path, scenarios: list) -> list[dict]:
                                             "manual_train.loops.single", "sklearn.datasets", "fairscale.optim",
                                             "fairscale.nn.data_parallel", "torch.distributed.checkpoint"])
     out_dir.mkdir(parents=True, exist_ok=True)
-    tmp_mp.start_processes(_rank_main, args=(world_size, _free_ports(len(scenarios)), str(out_dir), scenarios),
-                           nprocs=world_size, join=True, start_method="forkserver")
+    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # port 0: the OS picks
+    try:
+        tmp_mp.start_processes(_rank_main, args=(world_size, store.port, str(out_dir), scenarios), nprocs=world_size,
+                               join=True, start_method="forkserver")
+    finally:
+        del store  # closes the server
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world_size)]
 
 

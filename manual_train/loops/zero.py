@@ -33,7 +33,7 @@ and on GPUs, ships with torch, and is maintained (fairscale's last release was 0
 from __future__ import annotations
 
 import math
-# >>> ZERO: ZeroConfig's fields (the DDP loop's fault injection and its wrapper are imported, not used here)
+# >>> ZERO: what ZeroConfig needs (the DDP loop's os, signal and nullcontext served code imported from it below)
 from dataclasses import dataclass
 from typing import Optional
 # <<< ZERO
