@@ -9,9 +9,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout too
 
 from manual_train.cli import run  # noqa: E402
-from manual_train.distributed import exit_quietly_on_bad_args  # noqa: E402
 from manual_train.loops import hybrid  # noqa: E402
 
 if __name__ == "__main__":
-    exit_quietly_on_bad_args(hybrid.HybridConfig, **hybrid.DEFAULTS)  # under torchrun local rank 0 alone reports
     sys.exit(run(hybrid.train, hybrid.HybridConfig, script="hybrid", doc=hybrid.__doc__, **hybrid.DEFAULTS))

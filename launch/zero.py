@@ -8,9 +8,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout too
 
 from manual_train.cli import run  # noqa: E402
-from manual_train.distributed import exit_quietly_on_bad_args  # noqa: E402
 from manual_train.loops import zero  # noqa: E402
 
 if __name__ == "__main__":
-    exit_quietly_on_bad_args(zero.ZeroConfig, **zero.DEFAULTS)  # every rank parses argv; local rank 0 reports
     sys.exit(run(zero.train, zero.ZeroConfig, script="zero", doc=zero.__doc__, **zero.DEFAULTS))

@@ -205,9 +205,23 @@ def check_writable_dir(path: Optional[str], flag: str) -> None:
 
 # ---------------------------------------------------------------------- argparse from the dataclass
 class _OneLineParser(argparse.ArgumentParser):
-    """argparse, but a bad flag is one `error: --flag: ...` line (no usage block), exit status 2."""
+    """argparse, but a bad flag is one `error: --flag: ...` line (no usage block), exit status 2.
+
+    quiet=True prints nothing (not even --help) and keeps the exit status: under torchrun every rank
+    parses the same argv, and one line per node is enough (manual_train.cli.run).
+    """
+
+    def __init__(self, *args, quiet: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.quiet = quiet
+
+    def _print_message(self, message, file=None):
+        if not self.quiet:
+            super()._print_message(message, file)
 
     def error(self, message: str):
+        if self.quiet:
+            sys.exit(2)
         # argparse says "argument --dataset: invalid choice: 'x' (choose from 'a', 'b')"
         message = message.replace("argument ", "", 1).replace("(choose from", "(allowed:")
         if message.startswith("unrecognized arguments: "):
@@ -222,9 +236,9 @@ def _flag(name: str) -> str:
 
 
 def build_parser(config_cls=Config, *, prog: Optional[str] = None, description: Optional[str] = None,
-                 **defaults) -> argparse.ArgumentParser:
+                 quiet: bool = False, **defaults) -> argparse.ArgumentParser:
     """One argparse flag per dataclass field; `defaults` overrides per script (e.g. dataset='reverse')."""
-    parser = _OneLineParser(prog=prog, description=description, allow_abbrev=False,
+    parser = _OneLineParser(prog=prog, description=description, allow_abbrev=False, quiet=quiet,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
     hints = typing.get_type_hints(config_cls)
     for f in dataclasses.fields(config_cls):
@@ -260,9 +274,9 @@ def check_bounds(cfg: Config) -> None:
 
 
 def parse_config(config_cls=Config, argv: Optional[Sequence[str]] = None, *, prog: Optional[str] = None,
-                 description: Optional[str] = None, **defaults) -> Config:
+                 description: Optional[str] = None, quiet: bool = False, **defaults) -> Config:
     """Parse argv into a validated config. Raises UsageError (argparse errors exit 2 themselves)."""
-    args = build_parser(config_cls, prog=prog, description=description, **defaults).parse_args(argv)
+    args = build_parser(config_cls, prog=prog, description=description, quiet=quiet, **defaults).parse_args(argv)
     cfg = config_cls(**vars(args))
     check_bounds(cfg)
     cfg.validate()

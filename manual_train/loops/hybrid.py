@@ -136,12 +136,6 @@ def train(cfg: Config) -> dict:
     setup(env, group_a[0])  # gloo on CPU, nccl on CUDA (bound to the pair's first GPU); plain python: a group of one
     try:
         return train_rank(cfg, env)
-    except (UsageError, TrainingDiverged) as e:
-        if env.local_rank != 0:
-            # Every rank meets the same bad input or the same all-reduced NaN: local rank 0 prints the one line,
-            # the others exit with the same status silently (SystemExit prints no traceback).
-            raise SystemExit(2 if isinstance(e, UsageError) else 1) from e
-        raise
     finally:
         teardown()
 
@@ -372,7 +366,8 @@ def train_rank(cfg: Config, env: DistEnv) -> dict:
                 dist.all_reduce(total)
         # <<< HYBRID
         val_loss, val_acc = (loss_total / count).item(), (correct / count).item()
-        log.print(f"restored best weights (epoch {early.best_epoch + 1}): val_loss {val_loss:.4f} val_acc {val_acc:.4f}")
+        log.print(f"restored best weights (epoch {early.best_epoch + 1}): "
+                  f"val_loss {val_loss:.4f} val_acc {val_acc:.4f}")
     summary = run_summary(
         # >>> HYBRID
         script=SCRIPT, world_size=world_size, device=device, cfg=cfg, global_batch_size=global_batch_size, epoch=epoch,

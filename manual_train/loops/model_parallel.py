@@ -255,7 +255,8 @@ def train(cfg: Config) -> dict:
         amp.load_model_state_dict(raw_model, load_checkpoint(out_dir / "best.pt")["model"])
         loss_total, correct, count = evaluate(model, val_loader, device, amp, cfg.eval_mode)
         val_loss, val_acc = (loss_total / count).item(), (correct / count).item()
-        log.print(f"restored best weights (epoch {early.best_epoch + 1}): val_loss {val_loss:.4f} val_acc {val_acc:.4f}")
+        log.print(f"restored best weights (epoch {early.best_epoch + 1}): "
+                  f"val_loss {val_loss:.4f} val_acc {val_acc:.4f}")
     summary = run_summary(
         script=SCRIPT, world_size=1, device=device, cfg=cfg, global_batch_size=global_batch_size, epoch=epoch,
         step=step, samples_seen=samples_seen, samples_this_run=samples_seen - samples_at_start, val_loss=val_loss,

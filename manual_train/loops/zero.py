@@ -50,7 +50,7 @@ import torch.nn as nn
 from manual_train import data
 from manual_train.checkpoint import (build_checkpoint, check_compatible, load_checkpoint, restore_rng,
                                      resume_point, save_checkpoint)
-from manual_train.config import Config, UsageError, arg  # DDP: DDPConfig's flags and their checks
+from manual_train.config import Config, arg  # ZERO: ZeroConfig raises no UsageError itself (check_zero does)
 from manual_train.distributed import DistEnv, pick_device, read_env, setup, teardown  # DDP
 # >>> ZERO: the DDP loop's config, defaults and fault injection; the sharding functions
 from manual_train.loops.ddp import DEFAULTS, DDPConfig, inject_fault  # noqa: F401 (DEFAULTS: launch/zero.py)
@@ -102,12 +102,6 @@ def train(cfg: Config) -> dict:
     setup(env, device, cfg.backend, cfg.dist_timeout_s)
     try:
         return train_rank(cfg, env, device)
-    except (UsageError, TrainingDiverged) as e:
-        if env.local_rank != 0:
-            # Every rank meets the same bad input or the same all-reduced NaN: local rank 0 prints the one line
-            # for its node, the others exit with the same status silently (SystemExit prints no traceback).
-            raise SystemExit(2 if isinstance(e, UsageError) else 1) from e
-        raise
     finally:
         teardown()
 
@@ -349,7 +343,8 @@ def train_rank(cfg: ZeroConfig, env: DistEnv, device: torch.device) -> dict:  # 
         loss_total, correct, count = sums
         # <<< DDP
         val_loss, val_acc = (loss_total / count).item(), (correct / count).item()
-        log.print(f"restored best weights (epoch {early.best_epoch + 1}): val_loss {val_loss:.4f} val_acc {val_acc:.4f}")
+        log.print(f"restored best weights (epoch {early.best_epoch + 1}): "
+                  f"val_loss {val_loss:.4f} val_acc {val_acc:.4f}")
     # >>> ZERO: what each rank holds now, between steps (the last step's gradients are still allocated), gathered
     # to rank 0, next to the paper's formulas for these dtypes (the parameters' dtype: autocast keeps fp32 weights)
     per_rank = [None] * env.world_size
