@@ -23,15 +23,12 @@ from __future__ import annotations
 import copy
 import csv
 import json
-import multiprocessing
-import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as tmp_mp
 from conftest import load_model_state, make_cfg, max_param_diff
+from jobs import run_job
 
 from manual_train import data
 from manual_train.config import Config
@@ -169,68 +166,36 @@ def _scenario_ddp_semantics(world_size: int, rank: int) -> dict:
         teardown()
 
 
-def _rank_main(rank: int, world_size: int, ports: list, out_dir: str, scenarios: list) -> None:
-    """One rank: torchrun's environment by hand, then the scenarios in order (each joins and leaves the group).
-
-    Each scenario gets its own MASTER_PORT: a fast rank 0 could otherwise open the next group's store on the
-    port while a slow rank still reads the last group's addresses there.
-    """
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1")
-    torch.set_num_threads(1)  # as torchrun sets OMP_NUM_THREADS=1: 4 ranks share 2 cores
-    out = Path(out_dir)
-    results = {}
-    for name, port in zip(scenarios, ports):
-        os.environ["MASTER_PORT"] = str(port)
-        if name == "ddp_semantics":
-            results[name] = _scenario_ddp_semantics(world_size, rank)
-        elif name == "early_stop":
-            results[name] = _scenario_early_stop(world_size, out / name)
-        elif name == "nan":
-            results[name] = _scenario_nan(world_size, out / name)
-        else:  # parity scenarios: "parity", "parity_accumulate", "parity_16-o2", ...
-            kwargs = {"accumulate": 2} if name == "parity_accumulate" else {}
-            if name.startswith("parity_16"):  # fp16 is slow on this CPU: a few steps, not an epoch
-                kwargs.update(precision=name[len("parity_"):], max_steps=PRECISION_STEPS)
-            results[name] = _scenario_parity(world_size, out / name, **kwargs)
-    (out / f"rank{rank}.json").write_text(json.dumps(results))
+def _scenario(name: str, world_size: int, rank: int, out: Path) -> dict:
+    """One scenario on one rank (tests/jobs.py runs them in order on every rank)."""
+    if name == "ddp_semantics":
+        return _scenario_ddp_semantics(world_size, rank)
+    if name == "early_stop":
+        return _scenario_early_stop(world_size, out / name)
+    if name == "nan":
+        return _scenario_nan(world_size, out / name)
+    # parity scenarios: "parity", "parity_accumulate", "parity_16-o2", ...
+    kwargs = {"accumulate": 2} if name == "parity_accumulate" else {}
+    if name.startswith("parity_16"):  # fp16 is slow on this CPU: a few steps, not an epoch
+        kwargs.update(precision=name[len("parity_"):], max_steps=PRECISION_STEPS)
+    return _scenario_parity(world_size, out / name, **kwargs)
 
 
-def _free_ports(n: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(n)]
-    for s in sockets:  # all bound at once, so the n ports differ
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
-
-
-def run_job(world_size: int, out_dir: Path, scenarios: list) -> list[dict]:
-    """Start world_size ranks, wait for them (an exception in any rank fails the job), return their results."""
-    # The forkserver imports torch and the loops once; every rank is then a fork of it (no 5 s import each).
-    # Its children never inherit this process's thread pools, unlike a plain fork of the test process.
-    # torch._dynamo too: DDP's constructor imports it (~900 modules, seconds) the first time in each process.
-    multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "manual_train.loops.ddp",
-                                            "manual_train.loops.single", "sklearn.datasets"])
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tmp_mp.start_processes(_rank_main, args=(world_size, _free_ports(len(scenarios)), str(out_dir), scenarios),
-                           nprocs=world_size, join=True, start_method="forkserver")
-    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world_size)]
+PRELOAD = ["manual_train.loops.ddp", "manual_train.loops.single", "sklearn.datasets"]
 
 
 # ---------------------------------------------------------------------- jobs and references (once per module)
 @pytest.fixture(scope="module")
 def job4(tmp_path_factory):
     out = tmp_path_factory.mktemp("ddp4")
-    return out, run_job(4, out, ["parity", "parity_accumulate", "early_stop", "nan"])
+    return out, run_job(_scenario, 4, out, ["parity", "parity_accumulate", "early_stop", "nan"], PRELOAD)
 
 
 @pytest.fixture(scope="module")
 def job2(tmp_path_factory):
     out = tmp_path_factory.mktemp("ddp2")
-    return out, run_job(2, out, ["parity", "parity_accumulate", "ddp_semantics", "parity_16-o2",
-                                 "parity_16-mixed"])
+    return out, run_job(_scenario, 2, out, ["parity", "parity_accumulate", "ddp_semantics", "parity_16-o2",
+                                            "parity_16-mixed"], PRELOAD)
 
 
 def _single_run(out: Path, **flags) -> Path:

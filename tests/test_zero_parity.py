@@ -23,15 +23,13 @@ What is proven here (docs/zero.md cites these names):
 from __future__ import annotations
 
 import json
-import multiprocessing
-import os
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as tmp_mp
 from conftest import load_model_state, make_cfg, max_param_diff, run_script
+from jobs import run_job
 
 from manual_train.cli import run
 from manual_train.config import Config
@@ -139,50 +137,23 @@ def _scenario_sharded_checkpoint(out: Path) -> dict:
         teardown()
 
 
-def _rank_main(rank: int, world_size: int, store_port: int, out_dir: str, scenarios: list) -> None:
-    """One rank: torchrun's environment by hand, then the scenarios in order (each joins and leaves a group).
+def _scenario_any(name: str, world_size: int, rank: int, out: Path) -> dict:
+    """One scenario on one rank (tests/jobs.py runs them in order on every rank, each a new group)."""
+    if name == "memory":
+        from manual_train.distributed import read_env, setup, teardown
 
-    As under torchrun, the ranks meet at a store their parent hosts (TORCHELASTIC_USE_AGENT_STORE), and each
-    scenario is to that store what a torchrun restart is: a new group whose keys carry its own attempt number
-    (distributed.restart_safe_store). One port, held open by the parent for the whole job: no port picked in
-    advance that another process on this shared machine could take in the meantime.
-    """
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store_port),
-                      TORCHELASTIC_USE_AGENT_STORE="True")
-    torch.set_num_threads(1)  # as torchrun sets OMP_NUM_THREADS=1: 4 ranks share 2 cores
-    out = Path(out_dir)
-    results = {}
-    for attempt, name in enumerate(scenarios):
-        os.environ["TORCHELASTIC_RESTART_COUNT"] = str(attempt)
-        if name == "memory":
-            from manual_train.distributed import read_env, setup, teardown
-
-            setup(read_env(), torch.device("cpu"), "gloo", 120)
-            try:
-                results[name] = _scenario_memory()
-            finally:
-                teardown()
-        elif name == "sharded_checkpoint":
-            results[name] = _scenario_sharded_checkpoint(out / name)
-        else:
-            results[name] = _scenario(name, world_size, out / name)
-    (out / f"rank{rank}.json").write_text(json.dumps(results))
+        setup(read_env(), torch.device("cpu"), "gloo", 120)
+        try:
+            return _scenario_memory()
+        finally:
+            teardown()
+    if name == "sharded_checkpoint":
+        return _scenario_sharded_checkpoint(out / name)
+    return _scenario(name, world_size, out / name)
 
 
-def run_job(world_size: int, out_dir: Path, scenarios: list) -> list[dict]:
-    """world_size ranks from a forkserver that imported torch once (see tests/test_ddp_parity.py::run_job)."""
-    multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "manual_train.loops.zero",
-                                            "manual_train.loops.single", "sklearn.datasets", "fairscale.optim",
-                                            "fairscale.nn.data_parallel", "torch.distributed.checkpoint"])
-    out_dir.mkdir(parents=True, exist_ok=True)
-    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # port 0: the OS picks
-    try:
-        tmp_mp.start_processes(_rank_main, args=(world_size, store.port, str(out_dir), scenarios), nprocs=world_size,
-                               join=True, start_method="forkserver")
-    finally:
-        del store  # closes the server
-    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world_size)]
+PRELOAD = ["manual_train.loops.zero", "manual_train.loops.single", "sklearn.datasets", "fairscale.optim",
+           "fairscale.nn.data_parallel", "torch.distributed.checkpoint"]
 
 
 MATRIX = [f"{loop}_{variant}" for loop in ["ddp", *IMPL_STAGES] for variant in VARIANTS]
@@ -194,13 +165,13 @@ def job2(tmp_path_factory):
     scenarios = ["memory", *MATRIX, "fairscale2_wrong_zero_grad", "ddp_half",
                  *[f"{s}_half" for s in IMPL_STAGES], *[f"{s}_resumed" for s in IMPL_STAGES], "torch2_from-ddp",
                  "ddp_16-mixed", "torch3_16-mixed", "fairscale1_16-mixed", "sharded_checkpoint", "ddp_cli"]
-    return out, run_job(2, out, scenarios)
+    return out, run_job(_scenario_any, 2, out, scenarios, PRELOAD)
 
 
 @pytest.fixture(scope="module")
 def job4(tmp_path_factory):
     out = tmp_path_factory.mktemp("zero4")
-    return out, run_job(4, out, ["memory", *MATRIX])
+    return out, run_job(_scenario_any, 4, out, ["memory", *MATRIX], PRELOAD)
 
 
 def weights(out: Path, scenario: str, name: str = "last.pt") -> dict:
