@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import csv
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -166,8 +167,40 @@ def _scenario_ddp_semantics(world_size: int, rank: int) -> dict:
         teardown()
 
 
+def _scenario_rng(out: Path) -> dict:
+    """Train 2 epochs drawing from torch's RNG in every step (as dropout would), keep epoch 1's checkpoint,
+    then resume from it as a restarted job would: returns this rank's draws in both runs."""
+    draws = {"a": [], "c": []}
+    real_loss_fn, real_save = ddp.loss_fn, ddp.save_checkpoint
+
+    def recording(key):
+        def loss(logits, y):
+            draws[key].append(torch.rand(()).item())
+            return real_loss_fn(logits, y)
+        return loss
+
+    def save_and_keep_epoch_1(state, path):
+        real_save(state, path)
+        if path.name == "last.pt" and state["epoch"] == 1:
+            real_save(state, path.with_name("epoch1.pt"))
+
+    flags = dict(batch_size=GLOBAL_BATCH // 2, epochs=2, log_every=10)
+    try:
+        ddp.loss_fn, ddp.save_checkpoint = recording("a"), save_and_keep_epoch_1
+        ddp.train(make_cfg(out / "a", ddp.DDPConfig, **flags))
+        ddp.loss_fn, ddp.save_checkpoint = recording("c"), real_save
+        os.environ["TORCHELASTIC_RESTART_COUNT"] = "1"  # a restart: a new group on the same store
+        ddp.train(make_cfg(out / "c", ddp.DDPConfig, resume=str(out / "a" / "run" / "epoch1.pt"), **flags))
+    finally:
+        ddp.loss_fn, ddp.save_checkpoint = real_loss_fn, real_save
+        os.environ["TORCHELASTIC_RESTART_COUNT"] = "0"
+    return draws
+
+
 def _scenario(name: str, world_size: int, rank: int, out: Path) -> dict:
     """One scenario on one rank (tests/jobs.py runs them in order on every rank)."""
+    if name == "rng":
+        return _scenario_rng(out / name)
     if name == "ddp_semantics":
         return _scenario_ddp_semantics(world_size, rank)
     if name == "early_stop":
@@ -195,7 +228,7 @@ def job4(tmp_path_factory):
 def job2(tmp_path_factory):
     out = tmp_path_factory.mktemp("ddp2")
     return out, run_job(_scenario, 2, out, ["parity", "parity_accumulate", "ddp_semantics", "parity_16-o2",
-                                            "parity_16-mixed"], PRELOAD)
+                                            "parity_16-mixed", "rng"], PRELOAD)
 
 
 def _single_run(out: Path, **flags) -> Path:
@@ -350,3 +383,14 @@ def test_precision_composes_with_ddp(precision, job2, tmp_path):
     weights = load_model_state(out / f"parity_{precision}" / "run")
     assert all(v.dtype == torch.float32 for v in weights.values())  # fp32 master weights in last.pt
     assert max_param_diff(weights, load_model_state(reference)) < 2e-3
+
+
+def test_each_rank_draws_its_own_random_numbers_and_a_resume_continues_them(job2):
+    """Seeded with seed + rank after the model is built: ranks do not share one stream (augmentations and
+    dropout would repeat across ranks). Every rank's streams are in the checkpoint, so a resumed run draws,
+    on every rank, what the uninterrupted run drew after the same step."""
+    _, results = job2
+    runs = [r["rng"] for r in results]
+    assert runs[0]["a"] != runs[1]["a"]
+    for run in runs:
+        assert len(run["a"]) == 2 * 47 and run["c"] == run["a"][47:]

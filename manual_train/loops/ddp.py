@@ -56,6 +56,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from manual_train import data
 from manual_train.checkpoint import (build_checkpoint, check_compatible, load_checkpoint, restore_rng,
                                      resume_point, save_checkpoint)
+from manual_train.checkpoint import capture_rng  # DDP: every rank's RNG streams go into the checkpoint
 from manual_train.config import Config, UsageError, arg  # DDP: DDPConfig's flags and their checks
 from manual_train.distributed import DistEnv, pick_device, read_env, setup, teardown  # DDP
 from manual_train.early_stopping import EarlyStopping
@@ -200,6 +201,10 @@ def train_rank(cfg: DDPConfig, env: DistEnv, device: torch.device) -> dict:
     model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     # <<< DDP
     params = [p for group in optimizer.param_groups for p in group["params"]]  # what clipping sees
+    # >>> DDP: the weights are built and equal on every rank; from here each rank draws its own random numbers
+    # (dropout masks, augmentations, DataLoader workers' seeds), not one stream N times over
+    seed_everything(cfg.seed + env.rank)
+    # <<< DDP
     scheduler = build_scheduler(cfg, optimizer, total_steps)
     early = EarlyStopping(cfg.monitor, cfg.early_stop_patience, cfg.early_stop_min_delta)
     start_epoch, skip_micro_steps, step, samples_seen, best = resume_point(ckpt)
@@ -208,7 +213,11 @@ def train_rank(cfg: DDPConfig, env: DistEnv, device: torch.device) -> dict:
         scheduler.load_state_dict(ckpt["scheduler"])
         amp.load_state_dict(ckpt["scaler"])
         early.load_state_dict(ckpt["early_stopping"])
-        restore_rng(ckpt["rng"])  # last: every draw from here on repeats the uninterrupted run's
+        # >>> DDP: last: this rank's own streams, so every draw from here on repeats the uninterrupted run's
+        # (a checkpoint of another world size holds rank 0's streams only: every rank takes those)
+        per_rank = ckpt.get("rng_per_rank", [])
+        restore_rng(per_rank[env.rank] if len(per_rank) == env.world_size else ckpt["rng"])
+        # <<< DDP
 
     # >>> DDP: the default folder name holds a timestamp that ranks could read a second apart: rank 0 picks it,
     # the others take its choice (they need it for --restore-best and messages); rank 0 alone writes there
@@ -339,12 +348,14 @@ def train_rank(cfg: DDPConfig, env: DistEnv, device: torch.device) -> dict:
         # >>> DDP: rank 0 saves (every rank holds the same weights; raw_model is the unwrapped module, so the keys
         # carry no "module." prefix). The barrier holds every rank until last.pt is on disk: a crash anywhere in
         # the next epoch can then resume from this epoch's end. (Other ranks wait about as long as the write.)
+        rng_per_rank = [None] * env.world_size
+        dist.all_gather_object(rng_per_rank, capture_rng())  # a collective: every rank sends its RNG streams
         if env.master_process:
             checkpoint = build_checkpoint(
                 model_state=amp.model_state_dict(raw_model), optimizer_state=optimizer.state_dict(),
                 scheduler=scheduler, amp=amp, early_stopping=early, cfg=cfg, world_size=env.world_size,
                 epoch=epoch + 1 if epoch_done else epoch, micro_steps_done=0 if epoch_done else micro_steps_done,
-                step=step, samples_seen=samples_seen, best=best)
+                step=step, samples_seen=samples_seen, best=best, rng_per_rank=rng_per_rank)
             save_checkpoint(checkpoint, out_dir / "last.pt")  # every epoch, atomically
             if improved:
                 save_checkpoint(checkpoint, out_dir / "best.pt")

@@ -38,6 +38,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from manual_train import data
 from manual_train.checkpoint import (build_checkpoint, check_compatible, load_checkpoint, restore_rng,
                                      resume_point, save_checkpoint)
+from manual_train.checkpoint import capture_rng  # HYBRID: ddp-mp saves every rank's RNG streams
 from manual_train import parallel  # HYBRID: hybrid_dp_mp, split_encoder_decoder, device lists
 from manual_train.config import Config, UsageError, arg  # HYBRID: HybridConfig's flags and their checks
 from manual_train.distributed import DistEnv, read_env, setup, teardown  # HYBRID: torchrun's environment
@@ -193,6 +194,7 @@ def train_rank(cfg: Config, env: DistEnv) -> dict:
     eval_model = model
     if cfg.mode == "ddp-mp":
         model = DDP(model)
+        seed_everything(cfg.seed + rank)  # the weights are equal now; each rank draws its own random numbers
     # <<< HYBRID
     scheduler = build_scheduler(cfg, optimizer, total_steps)
     early = EarlyStopping(cfg.monitor, cfg.early_stop_patience, cfg.early_stop_min_delta)
@@ -202,7 +204,11 @@ def train_rank(cfg: Config, env: DistEnv) -> dict:
         scheduler.load_state_dict(ckpt["scheduler"])
         amp.load_state_dict(ckpt["scaler"])
         early.load_state_dict(ckpt["early_stopping"])
-        restore_rng(ckpt["rng"])  # last: every draw from here on repeats the uninterrupted run's
+        # >>> HYBRID: last: this rank's own streams, so every draw from here on repeats the uninterrupted run's
+        # (a checkpoint of another world size holds rank 0's streams only: every rank takes those)
+        per_rank = ckpt.get("rng_per_rank", [])
+        restore_rng(per_rank[rank] if len(per_rank) == world_size else ckpt["rng"])
+        # <<< HYBRID
 
     out_dir = cfg.run_dir(SCRIPT)
     # >>> HYBRID: every rank takes rank 0's folder (default names carry a timestamp); rank 0 alone writes to it
@@ -331,11 +337,17 @@ def train_rank(cfg: Config, env: DistEnv) -> dict:
                     lr=scheduler.get_last_lr()[0], samples_per_s=0.0, time_s=time.perf_counter() - t_start)
             log.print(f"epoch {epoch + 1}/{num_epochs} step {step}: val_loss {val_loss:.4f} "
                       f"val_acc {val_acc:.4f}" + (" (best)" if improved else ""))
+        # >>> HYBRID: every rank's RNG streams (a collective: all ranks send), saved by rank 0
+        rng_per_rank = [capture_rng()]
+        if world_size > 1:
+            rng_per_rank = [None] * world_size
+            dist.all_gather_object(rng_per_rank, capture_rng())
+        # <<< HYBRID
         checkpoint = build_checkpoint(
             model_state=amp.model_state_dict(raw_model), optimizer_state=optimizer.state_dict(),
             scheduler=scheduler, amp=amp, early_stopping=early, cfg=cfg, world_size=world_size,  # HYBRID: N ranks
             epoch=epoch + 1 if epoch_done else epoch, micro_steps_done=0 if epoch_done else micro_steps_done,
-            step=step, samples_seen=samples_seen, best=best)
+            step=step, samples_seen=samples_seen, best=best, rng_per_rank=rng_per_rank)  # HYBRID: and RNGs
         # >>> HYBRID: rank 0 alone writes (every rank holds the same weights); the barrier holds every rank until
         # last.pt is on disk, so a crash anywhere in the next epoch can resume from this epoch's end
         if master_process:

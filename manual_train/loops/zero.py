@@ -50,6 +50,7 @@ import torch.nn as nn
 from manual_train import data
 from manual_train.checkpoint import (build_checkpoint, check_compatible, load_checkpoint, restore_rng,
                                      resume_point, save_checkpoint)
+from manual_train.checkpoint import capture_rng  # DDP: every rank's RNG streams go into the checkpoint
 from manual_train.config import Config, arg  # ZERO: ZeroConfig raises no UsageError itself (check_zero does)
 from manual_train.distributed import DistEnv, pick_device, read_env, setup, teardown  # DDP
 # >>> ZERO: the DDP loop's config, defaults and fault injection; the sharding functions
@@ -154,6 +155,10 @@ def train_rank(cfg: ZeroConfig, env: DistEnv, device: torch.device) -> dict:  # 
     model, optimizer = shard(raw_model, optimizer, cfg.impl, cfg.stage, device, cfg.precision, cfg.reduce_buffer_size)
     amp.scaler = shard_aware_scaler(amp.scaler, cfg.impl, cfg.stage, device, cfg.loss_scale_growth_interval)
     # <<< ZERO
+    # >>> DDP: the weights are built and equal on every rank; from here each rank draws its own random numbers
+    # (dropout masks, augmentations, DataLoader workers' seeds), not one stream N times over
+    seed_everything(cfg.seed + env.rank)
+    # <<< DDP
     scheduler = build_scheduler(cfg, optimizer, total_steps)
     early = EarlyStopping(cfg.monitor, cfg.early_stop_patience, cfg.early_stop_min_delta)
     start_epoch, skip_micro_steps, step, samples_seen, best = resume_point(ckpt)
@@ -164,7 +169,11 @@ def train_rank(cfg: ZeroConfig, env: DistEnv, device: torch.device) -> dict:  # 
         scheduler.load_state_dict(ckpt["scheduler"])
         amp.load_state_dict(ckpt["scaler"])
         early.load_state_dict(ckpt["early_stopping"])
-        restore_rng(ckpt["rng"])  # last: every draw from here on repeats the uninterrupted run's
+        # >>> DDP: last: this rank's own streams, so every draw from here on repeats the uninterrupted run's
+        # (a checkpoint of another world size holds rank 0's streams only: every rank takes those)
+        per_rank = ckpt.get("rng_per_rank", [])
+        restore_rng(per_rank[env.rank] if len(per_rank) == env.world_size else ckpt["rng"])
+        # <<< DDP
 
     # >>> DDP: the default folder name holds a timestamp that ranks could read a second apart: rank 0 picks it,
     # the others take its choice (they need it for --restore-best and messages); rank 0 alone writes there
@@ -306,12 +315,14 @@ def train_rank(cfg: ZeroConfig, env: DistEnv, device: torch.device) -> dict:  # 
         model_state = full_model_state_dict(model, raw_model, cfg.impl, cfg.stage)
         optimizer_state = full_optimizer_state_dict(model, optimizer, raw_model, cfg.impl, cfg.stage)
         # <<< ZERO
+        rng_per_rank = [None] * env.world_size
+        dist.all_gather_object(rng_per_rank, capture_rng())  # a collective: every rank sends its RNG streams
         if env.master_process:
             checkpoint = build_checkpoint(
                 model_state=model_state, optimizer_state=optimizer_state,  # ZERO
                 scheduler=scheduler, amp=amp, early_stopping=early, cfg=cfg, world_size=env.world_size,
                 epoch=epoch + 1 if epoch_done else epoch, micro_steps_done=0 if epoch_done else micro_steps_done,
-                step=step, samples_seen=samples_seen, best=best)
+                step=step, samples_seen=samples_seen, best=best, rng_per_rank=rng_per_rank)
             save_checkpoint(checkpoint, out_dir / "last.pt")  # every epoch, atomically
             if improved:
                 save_checkpoint(checkpoint, out_dir / "best.pt")
