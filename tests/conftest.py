@@ -66,3 +66,30 @@ def needs_cuda(n: int = 1):
         return fn
 
     return decorate
+
+
+def torchrun(nproc: int, *extra: str) -> list[str]:
+    """The launcher prefix for run_script: real torchrun, one node, nproc processes."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), *extra]
+
+
+def run_ok(script: str, *args: str, launcher=None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """run_script that must succeed (stderr's tail in the failure message)."""
+    proc = run_script(script, *args, launcher=launcher, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                 "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RESTART_COUNT")
+
+
+@pytest.fixture
+def lone_process():
+    """No torchrun environment; afterwards os.environ as it was (setup() adds MASTER_ADDR/MASTER_PORT)."""
+    saved = dict(os.environ)
+    for name in TORCHRUN_VARS:
+        os.environ.pop(name, None)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)

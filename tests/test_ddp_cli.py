@@ -5,7 +5,6 @@ joined and left in this process) and finds it equal to the baseline loop, bit fo
 """
 from __future__ import annotations
 
-import os
 import re
 
 import pytest
@@ -17,19 +16,6 @@ from manual_train.cli import run
 from manual_train.config import Config
 from manual_train.loops import ddp, single
 
-TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                 "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RESTART_COUNT")
-
-
-@pytest.fixture
-def lone_process():
-    """No torchrun environment; afterwards os.environ as it was (setup() adds MASTER_ADDR/MASTER_PORT)."""
-    saved = dict(os.environ)
-    for name in TORCHRUN_VARS:
-        os.environ.pop(name, None)
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
 
 
 def test_plain_python_is_a_group_of_one_equal_to_the_baseline(tmp_path, lone_process):

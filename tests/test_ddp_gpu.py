@@ -8,21 +8,10 @@ fp32 MLP (matmuls do not use TF32 by default) and looser where cuDNN convolution
 from __future__ import annotations
 
 import json
-import sys
 
-from conftest import cuda_devices, load_model_state, max_param_diff, run_script
+from conftest import cuda_devices, load_model_state, max_param_diff, run_ok, torchrun
 
 FLAGS = ["--device", "cuda", "--deterministic", "--lr", "0.2", "--no-progress"]
-
-
-def torchrun(nproc: int) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
-
-
-def run_ok(script: str, *args: str, launcher=None):
-    proc = run_script(script, *args, launcher=launcher, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
 
 
 class TestOneGPU:

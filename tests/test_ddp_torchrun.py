@@ -8,19 +8,14 @@ test starts one job, the uninterrupted 2-rank run is shared by the CLI parity an
 from __future__ import annotations
 
 import csv
-import sys
 
 import pytest
-from conftest import load_model_state, max_param_diff, run_script
+from conftest import load_model_state, max_param_diff, run_script, torchrun
 
 from manual_train.cli import run
 from manual_train.loops import single
 
 TOL = 1e-6
-
-
-def torchrun(nproc: int, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), *extra]
 
 
 def error_lines(stderr: str) -> list[str]:

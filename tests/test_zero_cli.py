@@ -6,7 +6,6 @@ one in-process group of one (`python launch/zero.py` at world size 1 equals the 
 """
 from __future__ import annotations
 
-import os
 import re
 import sys
 
@@ -24,19 +23,6 @@ from manual_train.models import build_model
 from manual_train.precision import Precision
 from manual_train.zero import SameBatchCount, blocks, storage_bytes, zero_formula_bytes
 
-TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                 "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RESTART_COUNT")
-
-
-@pytest.fixture
-def lone_process():
-    """No torchrun environment; afterwards os.environ as it was (setup() adds MASTER_ADDR/MASTER_PORT)."""
-    saved = dict(os.environ)
-    for name in TORCHRUN_VARS:
-        os.environ.pop(name, None)
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
 
 
 # ---------------------------------------------------------------------- the paper's formulas

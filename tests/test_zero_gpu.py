@@ -8,25 +8,14 @@ differently with sharded gradients).
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 import torch
-from conftest import cuda_devices, load_model_state, max_param_diff, run_script
+from conftest import cuda_devices, load_model_state, max_param_diff, run_ok, torchrun
 
 COMMON = ["--device", "cuda", "--deterministic", "--model", "mlp", "--optimizer", "adamw", "--lr", "1e-3",
           "--schedule", "constant", "--no-progress"]
 FLAGS = [*COMMON, "--max-steps", "20"]
-
-
-def torchrun(nproc: int) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
-
-
-def run_ok(script: str, *args: str, launcher=None):
-    proc = run_script(script, *args, launcher=launcher, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
 
 
 class TestOneGPU:

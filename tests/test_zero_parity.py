@@ -23,12 +23,11 @@ What is proven here (docs/zero.md cites these names):
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import load_model_state, make_cfg, max_param_diff, run_script
+from conftest import load_model_state, make_cfg, max_param_diff, run_script, torchrun
 from jobs import run_job
 
 from manual_train.cli import run
@@ -370,10 +369,6 @@ def test_16_mixed_composes_with_zero(impl_stage, job2):
 
 
 # ---------------------------------------------------------------------- the CLI, under torchrun
-def torchrun(nproc: int) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
-
-
 @pytest.mark.slow
 def test_torchrun_zero_cli_equals_torchrun_ddp_cli(job2, tmp_path):
     """torchrun --nproc_per_node=2 launch/zero.py --stage 3 --impl torch --optimizer adamw --epochs 1 --out-dir Z
