@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from conftest import load_model_state, make_cfg, max_param_diff, needs_cuda, run_script
+from conftest import load_model_state, make_cfg, max_param_diff, needs_cuda, run_script, train_state
 from manual_train import parallel
 from manual_train.checkpoint import REQUIRED_KEYS
 from manual_train.cli import run as cli_run
@@ -24,13 +24,6 @@ from manual_train.models import SmallCNN, loss_fn
 
 CPU = torch.device("cpu")
 STEPS = dict(max_steps=6, log_every=2)
-
-
-def train_state(module, config_cls, tmp_path, name, **overrides):
-    """Run a loop's train(cfg) in this process; (final weights, summary)."""
-    cfg = make_cfg(tmp_path / name, config_cls, **overrides)
-    summary = module.train(cfg)
-    return load_model_state(tmp_path / name / "run"), summary
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from conftest import cuda_devices, load_model_state, make_cfg, max_param_diff, run_script
+from conftest import SEQ, cuda_devices, load_model_state, make_cfg, max_param_diff, run_script, train_state
 from manual_train import parallel
 from manual_train.checkpoint import REQUIRED_KEYS
 from manual_train.cli import run as cli_run
@@ -25,15 +25,6 @@ from manual_train.metrics import CSV_COLUMNS, SUMMARY_KEYS
 from manual_train.models import Seq2Seq
 
 CPU = torch.device("cpu")
-# SGD for parity runs (see tests/test_mp.py: Adam magnifies the rounding of chunked GRU batches).
-SEQ = dict(dataset="reverse", model="seq2seq", synthetic_size=200, optimizer="sgd", lr=0.5, batch_size=10,
-           max_steps=6, log_every=2)
-
-
-def train_state(module, config_cls, tmp_path, name, **overrides):
-    cfg = make_cfg(tmp_path / name, config_cls, **overrides)
-    summary = module.train(cfg)
-    return load_model_state(tmp_path / name / "run"), summary
 
 
 def param_ids(module: nn.Module) -> set:

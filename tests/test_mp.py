@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 
-from conftest import cuda_devices, load_model_state, make_cfg, max_param_diff, run_script
+from conftest import SEQ, cuda_devices, load_model_state, make_cfg, max_param_diff, run_script, train_state
 from manual_train import parallel
 from manual_train.cli import run as cli_run
 from manual_train.config import Config
@@ -22,17 +22,6 @@ from manual_train.metrics import CSV_COLUMNS, SUMMARY_KEYS
 from manual_train.models import Seq2Seq, loss_fn
 
 CPU = torch.device("cpu")
-# SGD for parity runs: Adam divides each gradient element by its running RMS, which turns rounding-level
-# differences in near-zero gradients (a GRU over 4 rows instead of 10 rounds differently) into
-# learning-rate-sized updates; with SGD they stay rounding-sized (~6e-8 here after 6 steps).
-SEQ = dict(dataset="reverse", model="seq2seq", synthetic_size=200, optimizer="sgd", lr=0.5, batch_size=10,
-           max_steps=6, log_every=2)
-
-
-def train_state(module, config_cls, tmp_path, name, **overrides):
-    cfg = make_cfg(tmp_path / name, config_cls, **overrides)
-    summary = module.train(cfg)
-    return load_model_state(tmp_path / name / "run"), summary
 
 
 def batch(n=10):
