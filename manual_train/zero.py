@@ -11,7 +11,8 @@ stage 2 also only their gradients, stage 3 also only their parameters (gathered 
     impl       stage 1                          stage 2                            stage 3
     torch      ZeroRedundancyOptimizer + DDP    FSDP2 fully_shard(reshard_after_   fully_shard(reshard_after_
                                                 forward=False): SHARD_GRAD_OP      forward=True), per block, root
-    fairscale  OSS + DDP                        OSS + ShardedDataParallel          FullyShardedDataParallel (CUDA)
+    fairscale  OSS + DDP                        OSS + ShardedDataParallel          FullyShardedDataParallel (CUDA,
+                                                                                  2+ ranks)
 
 The few places where the loop does something else than under DDP, each a function here:
   zero_grad ........... ShardedDDP's gradients are views into its reduce buckets: zero them in place
@@ -57,8 +58,16 @@ def fairscale_or_error():
     return fairscale
 
 
-def check_zero(impl: str, stage: int, precision: str, on_cuda: bool, reduce_buffer_size: Optional[int]) -> None:
-    """Combinations that cannot work, refused in one line before anything starts."""
+def check_zero(impl: str, stage: int, precision: str, on_cuda: bool, reduce_buffer_size: Optional[int],
+               world_size: Optional[int] = None) -> None:
+    """Combinations that cannot work, refused in one line before anything starts.
+
+    world_size: the ranks of the run (None: torchrun's WORLD_SIZE, 1 for a plain `python` process).
+    """
+    if world_size is None:
+        from manual_train.distributed import read_env
+
+        world_size = read_env().world_size
     if impl == "fairscale":
         fairscale_or_error()
         if stage == 3 and not on_cuda:
@@ -67,6 +76,14 @@ def check_zero(impl: str, stage: int, precision: str, on_cuda: bool, reduce_buff
             raise UsageError("--stage", "3 with --impl fairscale is FullyShardedDataParallel, which needs CUDA; on "
                                         "the CPU use --impl torch (FSDP2, its successor)",
                              "--impl torch, or --stage 1, 2")
+        if stage == 3 and world_size == 1:
+            # With one rank fairscale's FSDP shards nothing (p._is_sharded = world_size > 1), so it never creates
+            # the _full_param_padded buffers that gather_full_optim_state_dict sizes its gather by: training runs,
+            # then the first checkpoint raises AttributeError ('FlatParameter' object has no attribute
+            # '_full_param_padded'; fairscale 0.4.13, its last release). FSDP2 runs as a group of one.
+            raise UsageError("--impl", "fairscale --stage 3 needs 2 or more ranks: with one, fairscale's FSDP "
+                                       "shards nothing and fails gathering its optimizer state for the checkpoint",
+                             "--impl torch (FSDP2 runs as a group of one), or torchrun --nproc_per_node >= 2")
         if stage == 2 and precision == "16-mixed" and not on_cuda:
             # The gradients are sharded, so the scaler must all-reduce its inf check: fairscale's ShardedGradScaler
             # does, but builds on torch.cuda.amp.GradScaler and disables itself on a host without CUDA.
