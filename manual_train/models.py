@@ -32,6 +32,25 @@ class MLP(nn.Module):
         return self.net(x)
 
 
+class AvgPoolTo2x2(nn.Module):
+    """nn.AdaptiveAvgPool2d(2), with a deterministic backward on CUDA too (no parameters; the same averages).
+
+    AdaptiveAvgPool2d's CUDA backward adds into the input gradient with atomics, which
+    torch.use_deterministic_algorithms(True) (--deterministic) refuses. When both sides are even, its four
+    windows are the tiles of avg_pool2d with kernel = stride = half the side (digits' 4x4 map, MNIST's 14x14,
+    CIFAR's 16x16), whose backward writes every input gradient once: that runs on CUDA. The CPU keeps the adaptive
+    kernel: it divides the window sum by the height and then the width, avg_pool2d by their product, which can
+    differ in the last bit (14x14 -> 7x7 windows), and CPU parity runs must not move. Odd sides keep the adaptive
+    kernel everywhere (its windows overlap there).
+    """
+
+    def forward(self, x):
+        h, w = x.shape[-2:]
+        if x.is_cuda and h % 2 == 0 and w % 2 == 0:
+            return F.avg_pool2d(x, (h // 2, w // 2))
+        return F.adaptive_avg_pool2d(x, 2)
+
+
 class SmallCNN(nn.Module):
     """Three 3x3 convolutions and a two-layer head; ~90k parameters, any input size >= 2x2."""
 
@@ -42,7 +61,7 @@ class SmallCNN(nn.Module):
             nn.Conv2d(width, 2 * width, 3, padding=1), nn.ReLU(),
             nn.MaxPool2d(2),
             nn.Conv2d(2 * width, 2 * width, 3, padding=1), nn.ReLU(),
-            nn.AdaptiveAvgPool2d(2),
+            AvgPoolTo2x2(),  # nn.AdaptiveAvgPool2d(2), deterministic on CUDA too
         )
         self.head = nn.Sequential(
             nn.Flatten(),

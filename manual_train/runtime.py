@@ -39,9 +39,18 @@ def seed_everything(seed: int) -> None:
 def set_deterministic(enabled: bool) -> None:
     """--deterministic: refuse nondeterministic kernels, and make cuDNN pick deterministic ones.
 
-    Costs speed on GPUs (no cuDNN autotuning, some slower kernels); on the CPU paths used here the
-    default kernels are already deterministic run to run.
+    Every loop calls this once, right after seeding, at the start of its run, so it also starts the run's CUDA
+    peak-memory count (reset_peak_mem below).
+
+    Strict (use_deterministic_algorithms(True), not warn_only): an op with no deterministic CUDA kernel raises
+    at its first call instead of warning and running the nondeterministic one, so a run that finishes with
+    --deterministic was deterministic. The models here avoid such ops on CUDA: the cnn pools with avg_pool2d
+    there (AdaptiveAvgPool2d's CUDA backward adds with atomics and is refused; models.AvgPoolTo2x2), resnet18's
+    1x1 adaptive pooling is computed as a mean, and cross_entropy gets (N, C) logits (the 2-d NLLLoss kernel is
+    the refused one). Costs speed on GPUs (no cuDNN autotuning, some slower kernels, uninitialised memory filled);
+    on the CPU paths used here the default kernels are already deterministic run to run.
     """
+    reset_peak_mem()
     if not enabled:
         return
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS needs it before its first call
@@ -50,8 +59,21 @@ def set_deterministic(enabled: bool) -> None:
     torch.backends.cudnn.benchmark = False
 
 
+def reset_peak_mem() -> None:
+    """Start a new peak for peak_mem_bytes on every CUDA device this process has used.
+
+    The caching allocator's peak counts from process start until reset, so a second run in one process (tests,
+    benchmark children, a notebook) would report the first run's peak as its own. Only when CUDA is already
+    initialised: before that nothing was allocated, and touching the devices would create a context on each.
+    """
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        for index in range(torch.cuda.device_count()):
+            torch.cuda.reset_peak_memory_stats(index)  # host-side bookkeeping: no sync, no context created
+
+
 def peak_mem_bytes(device: torch.device) -> int:
-    """CUDA: the caching allocator's peak of allocated bytes. CPU: the process's peak resident set."""
+    """CUDA: the caching allocator's peak of allocated bytes on `device` since the run started (reset_peak_mem).
+    CPU: the process's peak resident set since the process started (getrusage; it cannot be reset)."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
     import resource
