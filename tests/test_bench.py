@@ -6,12 +6,14 @@ equal the closed-form count. GPU-marked tests check the sync counts and FLOPs on
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import json
 import math
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -21,6 +23,59 @@ from manual_train.bench import cli, gpu, harness
 from manual_train.bench.harness import ChildFailed, Goal, fresh_process, ratio_row, value_row
 
 TINY_GPT = dict(vocab=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
+
+# Process-wide switches the GPU entries flip (set_tf32, cudnn.benchmark): each test must leave them as it found
+# them, also when it fails half-way, or every later test in the session runs with another precision.
+BACKEND_FLAGS = {"matmul.allow_tf32": (torch.backends.cuda.matmul, "allow_tf32"),
+                 "cudnn.allow_tf32": (torch.backends.cudnn, "allow_tf32"),
+                 "cudnn.benchmark": (torch.backends.cudnn, "benchmark"),
+                 "cudnn.deterministic": (torch.backends.cudnn, "deterministic")}
+
+
+def backend_flags() -> dict:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch >= 2.9 announces allow_tf32's deprecation
+        flags = {label: getattr(obj, name) for label, (obj, name) in BACKEND_FLAGS.items()}
+    flags["float32_matmul_precision"] = torch.get_float32_matmul_precision()
+    flags["deterministic_algorithms"] = (torch.are_deterministic_algorithms_enabled(),
+                                         torch.is_deterministic_algorithms_warn_only_enabled())
+    return flags
+
+
+@contextlib.contextmanager
+def saved_backend_flags():
+    """TF32, cuDNN and determinism switches restored on the way out, however the body exits."""
+    saved = backend_flags()
+    try:
+        yield
+    finally:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for label, (obj, name) in BACKEND_FLAGS.items():
+                setattr(obj, name, saved[label])
+        torch.set_float32_matmul_precision(saved["float32_matmul_precision"])  # after allow_tf32, which sets it too
+        enabled, warn_only = saved["deterministic_algorithms"]
+        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+
+
+@pytest.fixture(autouse=True)
+def restore_backend_flags():
+    with saved_backend_flags():
+        yield
+
+
+def test_backend_flags_are_restored_after_a_failing_body():
+    before = backend_flags()
+    with pytest.raises(RuntimeError, match="half-way"):
+        with saved_backend_flags():
+            gpu.set_tf32(not before["matmul.allow_tf32"])
+            torch.backends.cudnn.benchmark = not before["cudnn.benchmark"]
+            torch.use_deterministic_algorithms(True, warn_only=True)
+            changed = backend_flags()
+            assert all(changed[k] != before[k] for k in ("matmul.allow_tf32", "cudnn.benchmark",
+                                                         "float32_matmul_precision", "deterministic_algorithms"))
+            raise RuntimeError("failed half-way")
+    assert backend_flags() == before
 
 
 # ---------------------------------------------------------------------- end to end
@@ -186,13 +241,11 @@ def test_gpu_entry_code_runs_on_cpu(one_thread):
     cudnn = gpu._cudnn_child(benchmark=True, model_name="resnet18", batch_size=2, precision="32-true", warmup=1,
                              steps=1, rounds=2, image_side=32, device=cpu)
     assert len(cudnn["step_s"]) == 2 and cudnn["warmup_s"] > 0
-    torch.backends.cudnn.benchmark = False
 
     mfu = gpu._gpt_child(TINY_GPT, batch_size=2, warmup=1, steps=1, rounds=1, compile_model=False, device=cpu,
-                         peak_n=64)
+                         peak_n=64, peak_warmup_s=0.01)
     assert mfu["flops_counted"] == mfu["flops_formula"] > 0 and mfu["peak_flops_per_s"] > 0
     assert len(mfu["step_s"]["eager"]) == 1
-    gpu.set_tf32(False)
 
 
 class ShrunkBench(harness.Bench):
@@ -213,7 +266,8 @@ class ShrunkBench(harness.Bench):
         if fn is gpu._loop_syncs_child:
             return {"short_steps": 10, "long_steps": 40, "syncs": {10: 7, 40: 7}}
         toy = {"batch_size": 2, "image_side": 16, "size": TINY_GPT, "steps": 1, "rounds": 1, "warmup": 1,
-               "peak_n": 64, "compile_model": False, "model_name": "resnet18"}  # 16-bit convs are slow on CPUs
+               "peak_n": 64, "peak_warmup_s": 0.01, "compile_model": False,
+               "model_name": "resnet18"}  # 16-bit convs are slow on CPUs
         accepted = inspect.signature(fn).parameters
         kwargs.update({k: v for k, v in toy.items() if k in accepted and kwargs.get(k) != "gpt"})
         if fn is gpu._precision_child and kwargs["model_name"] != "gpt":
@@ -231,15 +285,35 @@ class ShrunkBench(harness.Bench):
 
 def test_gpu_entries_build_finite_rows_on_cpu(tmp_path, one_thread):
     bench = ShrunkBench(suite="gpu", quick=True, threads=None, log_dir=tmp_path,
-                        device_info={"available": True, "capability": "9.0"})
+                        device_info={"available": True, "capability": "9.0", "name": "NVIDIA H200"})
     for name, (entry, _) in gpu.ENTRIES.items():
         bench.entry = name
         outcome = entry(bench)
         assert outcome.rows, name
         for row in outcome.rows:
             assert row.entry == name and row.values and all(math.isfinite(v) for v in row.values), row
-    gpu.set_tf32(False)
-    torch.backends.cudnn.benchmark = False
+        if name == "gpt_compile_mfu":  # MFU against both peaks; the goal on the datasheet's
+            mfu_rows = [r for r in outcome.rows if r.metric.startswith("MFU")]
+            assert [(r.baseline, r.goal is not None) for r in mfu_rows] == \
+                [("datasheet bf16 dense peak (989 TFLOP/s)", True), ("bf16 matmul peak (measured)", False)] * 2
+            times, flops = outcome.raw["step_s"]["eager"], outcome.raw["flops_counted"]
+            assert mfu_rows[0].values == pytest.approx([100 * flops / t / 989e12 for t in times])
+            assert any("NVIDIA H200 (SXM) datasheet" in note for note in outcome.notes)
+
+
+def test_matmul_peak_warms_up_then_times_blocks_of_matmuls():
+    peak = gpu.matmul_peak_flops(torch.device("cpu"), n=32, warmup_s=0.05, matmuls_per_block=4, blocks=3)
+    assert peak["warmup_s"] >= 0.05 and peak["warmup_matmuls"] >= 8
+    assert len(peak["block_s"]) == 3 and peak["flops_per_s"] == max(2 * 32 ** 3 / t for t in peak["block_s"])
+    assert peak["flops_per_s"] >= peak["median_flops_per_s"] > 0
+
+
+def test_datasheet_peaks_match_device_names():
+    assert gpu.datasheet_bf16_peak("NVIDIA H200")[0] == 989e12
+    assert gpu.datasheet_bf16_peak("NVIDIA H200 NVL")[0] == 835e12  # the more specific name wins
+    assert gpu.datasheet_bf16_peak("NVIDIA H100 PCIe")[0] == 756e12
+    assert gpu.datasheet_bf16_peak("NVIDIA A100-SXM4-80GB")[0] == 312e12
+    assert gpu.datasheet_bf16_peak("NVIDIA GeForce RTX 4090") is None
 
 
 # ---------------------------------------------------------------------- on a GPU (scripts/gpu_check.sh)
@@ -261,9 +335,12 @@ def test_logging_idioms_sync_counts_on_cuda():
 
 
 @needs_cuda
-def test_real_loop_has_no_sync_on_non_log_steps_on_cuda():
-    r = gpu._loop_syncs_child(short_steps=4, long_steps=12, precision="32-true")
-    assert r["syncs"][12] == r["syncs"][4], r
+@pytest.mark.parametrize("precision, per_step", [("32-true", 0), ("16-mixed", 2), ("16-o2", 1)])
+def test_real_loop_syncs_per_non_log_step_on_cuda(precision, per_step):
+    """32-true: none. 16-mixed: GradScaler.step's found_inf.item() and Precision.step's get_scale() (which tells
+    whether the step was skipped). 16-o2: the overflow check's bool() of a device tensor."""
+    r = gpu._loop_syncs_child(short_steps=4, long_steps=12, precision=precision)
+    assert r["syncs"][12] - r["syncs"][4] == per_step * 8, r
 
 
 @needs_cuda

@@ -24,6 +24,19 @@ class TestOneGPU:
         run_ok("single", "--model", "mlp", "--batch-size", "32", "--epochs", "1", "--out-dir", str(b), *FLAGS)
         assert max_param_diff(load_model_state(a), load_model_state(b)) < 1e-6
 
+    def test_sync_bn_on_one_gpu_runs_and_equals_the_baseline(self, tmp_path):
+        """--sync-bn on CUDA, one rank: convert_sync_batchnorm, DDP and nccl set up and train. SyncBatchNorm over
+        one rank normalises with the local batch's statistics (it syncs only when the world is larger), so the
+        weights are the single-GPU run's: same kernels, and DDP's all-reduce over one rank changes no bit."""
+        common = ["--model", "resnet18", "--batch-size", "32", "--max-steps", "10", *FLAGS, "--lr", "0.05"]
+        synced, single = tmp_path / "sync", tmp_path / "single"
+        proc = run_ok("ddp", "--sync-bn", "--out-dir", str(synced), *common)
+        assert "device cuda:0" in proc.stdout
+        run_ok("single", "--out-dir", str(single), *common)
+        ours, reference = load_model_state(synced), load_model_state(single)
+        assert ours.keys() == reference.keys()  # SyncBatchNorm keeps BatchNorm2d's state: a plain checkpoint
+        assert max_param_diff(ours, reference) < 1e-5
+
 
 class TestTwoGPUs:
     pytestmark = cuda_devices(2)
