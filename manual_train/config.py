@@ -48,7 +48,7 @@ def arg(default, help: str, *, choices: Optional[Sequence] = None, min: Optional
 
 DATASETS = ("digits", "mnist", "fashion-mnist", "cifar10", "synthetic", "reverse")
 MODELS = ("mlp", "cnn", "resnet18", "seq2seq")
-PRECISIONS = ("32-true", "16-mixed", "bf16-mixed", "16-o2", "apex-o2")
+PRECISIONS = ("32-true", "64-true", "16-mixed", "bf16-mixed", "16-o2", "apex-o2")
 
 
 @dataclass
@@ -84,7 +84,9 @@ class Config:
     schedule: str = arg("cosine", "LR schedule over all optimizer steps", choices=("cosine", "constant"))
     warmup_steps: int = arg(0, "linear LR warm-up steps", min=0)
     # precision
-    precision: str = arg("32-true", "numeric precision (16-o2 is apex's O2 written out; apex-o2 needs apex)",
+    precision: str = arg("32-true", "numeric precision; 64-true (float64 weights, inputs and optimizer state) is "
+                                    "the parity mode whose results do not depend on the CPU; 16-o2 is apex's O2 "
+                                    "written out; apex-o2 needs apex",
                          choices=PRECISIONS)
     loss_scale_init: float = arg(2.0 ** 16, "initial dynamic loss scale (16-mixed, 16-o2)", min=1)
     loss_scale_growth_interval: int = arg(2000, "clean steps before the loss scale doubles", min=1)

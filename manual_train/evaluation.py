@@ -30,7 +30,9 @@ def evaluate(model, loader, device: torch.device, amp, eval_mode: str = "no_grad
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             with amp.autocast():
                 logits = model(x)
-            loss_sum += F.cross_entropy(logits.flatten(0, -2).float(), y.flatten(), reduction="sum")
+            # the loss in fp32 at least (fp16/bf16 logits are upcast; 64-true's stay float64)
+            logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+            loss_sum += F.cross_entropy(logits.flatten(0, -2), y.flatten(), reduction="sum")
             correct += correct_count(logits, y)
             count += y.numel()
     model.train(was_training)

@@ -13,6 +13,11 @@ The loop has one code path for every --precision (docs/precision.md):
 
 What each precision does:
   32-true     nothing: autocast is a no-op context, the GradScaler is disabled (scale 1).
+  64-true     float64 weights, inputs and optimizer state (Lightning's name): the parity mode. fp32
+              rounding differs between CPUs (AVX2 vs AVX-512 kernels sum in other orders) and training
+              amplifies it; in float64 the same differences stay ~1e-15, so two loops that compute the same
+              algorithm agree to 1e-9 on any machine. The model is built in fp32 (the same initial weights
+              as 32-true) and upcast exactly; floating inputs are cast on the device (`CastInputs`).
   16-mixed    autocast(float16) around forward and loss; GradScaler with dynamic loss scaling.
   bf16-mixed  autocast(bfloat16); no loss scaling (bf16 has fp32's exponent range).
   16-o2       apex's O2, written out: fp16 model (BatchNorm kept fp32), fp32 master weights in the
@@ -98,6 +103,27 @@ def cast_o2(model: nn.Module) -> nn.Module:
     return model
 
 
+def param_dtype(precision: str) -> torch.dtype:
+    """The dtype the model's weights are kept (and checkpointed) in: float64 for 64-true, else fp32
+    (16-o2's fp16 model is a copy; its fp32 masters are what the checkpoint holds)."""
+    return torch.float64 if precision == "64-true" else torch.float32
+
+
+class CastInputs(nn.Module):
+    """64-true's forward: floating inputs cast to the model's dtype on the way in (token ids pass).
+
+    The datasets yield fp32 images; casting here, on the device, keeps the loaders and their pinned
+    buffers as they are (Lightning's `convert_input` does the same for its 64-true).
+    """
+
+    def __init__(self, module: nn.Module, dtype: torch.dtype):
+        super().__init__()
+        self.module, self.dtype = module, dtype
+
+    def forward(self, x):
+        return self.module(x.to(self.dtype) if x.is_floating_point() else x)
+
+
 class O2Forward(nn.Module):
     """O2's forward patch: floating inputs cast to fp16 going in, outputs cast to fp32 coming out.
 
@@ -144,6 +170,9 @@ class Precision:
         values, rounding the initial weights once; cloning first keeps them, and is what makes a
         resumed run continue from the saved fp32 masters exactly.)
         """
+        if self.name == "64-true":
+            model.to(torch.float64)  # a no-op when the loop built it in param_dtype already
+            return CastInputs(model, torch.float64), list(model.parameters())
         if self.name != "16-o2":
             return model, list(model.parameters())
         self.model_params = [p for p in model.parameters() if p.requires_grad]

@@ -10,6 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from conftest import make_cfg, max_param_diff, needs_cuda
 
+from manual_train.config import Config
 from manual_train.loops import single
 from manual_train.precision import DynamicLossScaler, Precision
 
@@ -231,3 +232,37 @@ def test_cuda_apex_o2_when_apex_is_importable(tmp_path):
     o2 = train_losses(tmp_path / "o2", "16-o2", steps=60)
     apex = train_losses(tmp_path / "apex", "apex-o2", steps=60)
     assert max(abs(a - b) for a, b in zip(o2, apex)) < TRAJECTORY_TOLERANCE["16-o2"]
+
+
+# ---------------------------------------------------------------------- 64-true, the parity mode
+def test_64_true_is_32_true_upcast_and_stays_float64(tmp_path, monkeypatch):
+    """64-true starts from 32-true's initial weights (built in fp32, upcast exactly), feeds the model float64
+    inputs, keeps float64 optimizer state and checkpoints float64 weights; one step then differs from 32-true
+    by rounding only."""
+    seen = {}
+    real_prepare = Precision.prepare
+
+    def recording_prepare(self, model):
+        seen[self.name] = {k: v.clone() for k, v in model.state_dict().items()}  # the weights before step 1
+        return real_prepare(self, model)
+
+    monkeypatch.setattr(Precision, "prepare", recording_prepare)
+    flags = dict(model="mlp", max_steps=1, batch_size=32)
+    single.train(make_cfg(tmp_path / "a", precision="32-true", out_dir=str(tmp_path / "a"), **flags))
+    single.train(make_cfg(tmp_path / "b", precision="64-true", out_dir=str(tmp_path / "b"), **flags))
+    assert all(v.dtype == torch.float64 for v in seen["64-true"].values())
+    assert all(torch.equal(seen["64-true"][k], seen["32-true"][k].double()) for k in seen["32-true"])
+    b = torch.load(tmp_path / "b" / "last.pt", weights_only=True)
+    a = torch.load(tmp_path / "a" / "last.pt", weights_only=True)
+    assert all(v.dtype == torch.float64 for v in b["model"].values())
+    assert all(s["momentum_buffer"].dtype == torch.float64 for s in b["optimizer"]["state"].values())
+    assert 0 < max_param_diff(a["model"], b["model"]) < 1e-6  # the same step, rounded in fp32 vs float64
+
+
+def test_64_true_casts_floating_inputs_and_passes_token_ids():
+    amp = Precision(Config(precision="64-true"), torch.device("cpu"))
+    model, params = amp.prepare(nn.Linear(4, 2))
+    assert all(p.dtype == torch.float64 for p in params)
+    assert model(torch.ones(3, 4)).dtype == torch.float64  # fp32 images become float64 on the way in
+    emb, _ = amp.prepare(nn.Embedding(10, 3))
+    assert emb(torch.tensor([1, 2])).dtype == torch.float64  # int64 token ids pass unchanged

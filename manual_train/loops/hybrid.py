@@ -47,7 +47,7 @@ from manual_train.evaluation import evaluate
 from manual_train.metrics import RunLog, banner, progress_bar, run_summary
 from manual_train.models import build_model, correct_count, loss_fn
 from manual_train.optim import build_optimizer, build_scheduler, scaled_lr
-from manual_train.precision import Precision
+from manual_train.precision import Precision, param_dtype
 # >>> HYBRID: launch/hybrid.py's defaults are mp.py's task and budget; device lists replace resolve_device
 from manual_train.loops.model_parallel import DEFAULTS  # noqa: F401
 from manual_train.runtime import TrainingDiverged, peak_mem_bytes, seed_everything, set_deterministic
@@ -119,7 +119,7 @@ class HybridConfig(Config):
                 "cpu" in {group_a[0].type, group_b[0].type}:
             raise UsageError("--devices", "nn.DataParallel takes only CUDA devices when CUDA is available",
                              "cuda:N lists, or --impl explicit for cpu lists")
-        if self.precision != "32-true" and group_a[0].type != group_b[0].type:
+        if self.precision not in ("32-true", "64-true") and group_a[0].type != group_b[0].type:
             raise UsageError("--precision", f"{self.precision} autocasts one device type; the encoder's "
                                             f"{group_a[0]} and the decoder's {group_b[0]} differ", "32-true")
         if self.batch_size < max(len(group_a), len(group_b)):
@@ -172,9 +172,9 @@ def train_rank(cfg: Config, env: DistEnv) -> dict:
         check_compatible(ckpt, cfg)
 
     torch.manual_seed(cfg.seed)  # right before building: the same --seed gives the same weights in every loop
-    raw_model = build_model(cfg.model, info)
+    raw_model = build_model(cfg.model, info).to(param_dtype(cfg.precision))  # 64-true: fp32 init, upcast
     if ckpt:
-        raw_model.load_state_dict(ckpt["model"])  # fp32 weights, before any O2 cast
+        raw_model.load_state_dict(ckpt["model"])  # fp32 (64-true: fp64) weights, before any O2 cast
     # >>> HYBRID: moved once: the encoder to group_a[0], the decoder to group_b[0]. dp-mp wraps each half in its
     # own DataParallel; ddp-mp splits the model over this rank's pair. Either holds raw_model's own submodules.
     if cfg.mode == "dp-mp":

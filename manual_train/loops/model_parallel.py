@@ -36,7 +36,7 @@ from manual_train.evaluation import evaluate
 from manual_train.metrics import RunLog, banner, progress_bar, run_summary
 from manual_train.models import build_model, correct_count, loss_fn
 from manual_train.optim import build_optimizer, build_scheduler, scaled_lr
-from manual_train.precision import Precision
+from manual_train.precision import Precision, param_dtype
 # >>> MP: the device list replaces resolve_device
 from manual_train.runtime import TrainingDiverged, peak_mem_bytes, seed_everything, set_deterministic
 # <<< MP
@@ -75,7 +75,7 @@ class MPConfig(Config):
         if self.device != "auto":
             raise UsageError("--device", "mp.py places the model with --devices, not --device", "auto")
         devices = self.device_list()
-        if self.precision != "32-true" and devices[0].type != devices[1].type:
+        if self.precision not in ("32-true", "64-true") and devices[0].type != devices[1].type:
             raise UsageError("--precision", f"{self.precision} autocasts one device type; {devices[0]} and "
                                             f"{devices[1]} differ", "32-true, or two devices of one kind")
         if self.microbatches > self.batch_size:
@@ -110,9 +110,9 @@ def train(cfg: Config) -> dict:
         check_compatible(ckpt, cfg)
 
     torch.manual_seed(cfg.seed)  # right before building: the same --seed gives the same weights in every loop
-    raw_model = build_model(cfg.model, info)
+    raw_model = build_model(cfg.model, info).to(param_dtype(cfg.precision))  # 64-true: fp32 init, upcast
     if ckpt:
-        raw_model.load_state_dict(ckpt["model"])  # fp32 weights, before any O2 cast
+        raw_model.load_state_dict(ckpt["model"])  # fp32 (64-true: fp64) weights, before any O2 cast
     # >>> MP: moved once: the encoder to A, the decoder to B. `split` holds raw_model's own submodules (no copy),
     # so the optimizer, precision and checkpoints all see raw_model's parameters.
     split = parallel.split_encoder_decoder(raw_model, devices, cfg.microbatches)

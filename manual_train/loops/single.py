@@ -29,7 +29,7 @@ from manual_train.evaluation import evaluate
 from manual_train.metrics import RunLog, banner, progress_bar, run_summary
 from manual_train.models import build_model, correct_count, loss_fn
 from manual_train.optim import build_optimizer, build_scheduler, scaled_lr
-from manual_train.precision import Precision
+from manual_train.precision import Precision, param_dtype
 from manual_train.runtime import TrainingDiverged, peak_mem_bytes, resolve_device, seed_everything, set_deterministic
 
 SCRIPT = "single"
@@ -57,9 +57,9 @@ def train(cfg: Config) -> dict:
         check_compatible(ckpt, cfg)
 
     torch.manual_seed(cfg.seed)  # right before building: the same --seed gives the same weights in every loop
-    raw_model = build_model(cfg.model, info)
+    raw_model = build_model(cfg.model, info).to(param_dtype(cfg.precision))  # 64-true: fp32 init, upcast
     if ckpt:
-        raw_model.load_state_dict(ckpt["model"])  # fp32 weights, before any O2 cast
+        raw_model.load_state_dict(ckpt["model"])  # fp32 (64-true: fp64) weights, before any O2 cast
     raw_model.to(device)  # moved once; nothing in the loop moves parameters again
     amp = Precision(cfg, device)
     model, params = amp.prepare(raw_model)  # 16-o2: fp16 model, fp32 master params for the optimizer
