@@ -41,9 +41,11 @@ def recording_loss_fn(draws, crash_after=None):
     return loss
 
 
-@pytest.mark.parametrize("workers", [0, 2])
-def test_interrupted_then_resumed_equals_uninterrupted_bitwise(tmp_path, monkeypatch, workers):
-    flags = dict(epochs=3, log_every=5, num_workers=workers)
+# Bitwise in any precision: the resumed run repeats the uninterrupted run's computations. 64-true also proves
+# that float64 weights come back as they were saved (loaded after the upcast, never rounded through fp32).
+@pytest.mark.parametrize("workers, precision", [(0, "32-true"), (2, "32-true"), (0, "64-true")])
+def test_interrupted_then_resumed_equals_uninterrupted_bitwise(tmp_path, monkeypatch, workers, precision):
+    flags = dict(epochs=3, log_every=5, num_workers=workers, precision=precision)
     draws_a = []
     monkeypatch.setattr(single, "loss_fn", recording_loss_fn(draws_a))
     single.train(make_cfg(tmp_path, out_dir=str(tmp_path / "A"), **flags))
@@ -65,6 +67,7 @@ def test_interrupted_then_resumed_equals_uninterrupted_bitwise(tmp_path, monkeyp
     a = torch.load(tmp_path / "A" / "last.pt", weights_only=True)
     c = torch.load(tmp_path / "B" / "last.pt", weights_only=True)
     assert all(torch.equal(a["model"][k], c["model"][k]) for k in a["model"])  # bitwise
+    assert {v.dtype for v in c["model"].values()} == {torch.float64 if precision == "64-true" else torch.float32}
     assert all(torch.equal(a["optimizer"]["state"][i]["momentum_buffer"], c["optimizer"]["state"][i]["momentum_buffer"])
                for i in a["optimizer"]["state"])
     # metrics.csv: the rows the crash logged after the checkpoint were dropped and recomputed identically

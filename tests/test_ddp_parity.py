@@ -7,15 +7,16 @@ The processes come from a forkserver that imports torch once, so a job costs its
 of imports. The single-process references run here, in the test process.
 
 What is proven here (docs/ddp.md cites these names):
-  parity ............. N ranks x batch b == one process with batch N*b, 1e-6 over a full epoch, N = 2 and 4,
-                       with and without --accumulate (and a wrong batch size is far from it)
+  parity ............. N ranks x batch b == one process with batch N*b in 64-true, within 1e-9 over two epochs
+                       (94 steps, each epoch's last window partial), N = 2 and 4, with and without --accumulate
+                       (and a wrong batch size is far from it); in fp32 (mlp, 2 ranks) within 10 noise floors
   evaluation ......... all-reduced shard sums == single-process evaluation of the same weights (val 297, not
-                       divisible by 2 or 4); Lightning's padded sampler is not
+                       divisible by 2 or 4), in float64 to 1e-12; Lightning's padded sampler is not
   early stopping ..... ranks whose own shards would stop at different epochs all stop at the same one
   NaN ................ a NaN batch on one rank stops every rank at the same log step with TrainingDiverged
   broadcast .......... ranks built from different seeds hold rank 0's weights after wrapping, and stay equal
   no_sync ............ inside no_sync ranks' gradients differ; after the sync they are equal and match a single
-                       process on the gathered batch (Accelerate's test, tests/test_sync.py there)
+                       process on the gathered batch (Accelerate's test, tests/test_sync.py there); float64
   precision .......... 16-o2 and 16-mixed compose with DDP: close to the single process in the same precision
 """
 from __future__ import annotations
@@ -28,7 +29,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import load_model_state, make_cfg, max_param_diff
+from conftest import (FP32_MODEL, PARITY_TOL_64, assert_within_fp32_floor, fp32_noise_floor, load_model_state,
+                      make_cfg, max_param_diff)
 from jobs import run_job
 
 from manual_train import data
@@ -41,7 +43,7 @@ from manual_train.models import build_model, loss_fn
 from manual_train.precision import Precision
 
 GLOBAL_BATCH = 32  # every parity run: one optimizer step averages 32 samples (47 steps per epoch of digits)
-TOL = 1e-6
+PARITY_EPOCHS = 2  # 94 steps; both epochs end in a partial window (1500 = 46 x 32 + 28)
 PRECISION_STEPS = 6
 LR = 0.2  # one epoch at the default 0.05 leaves the model near chance; at 0.2 it reaches ~0.6 val accuracy
 # Early stopping: monitor val_acc and stop at the first evaluation without a gain of more than 0.5 points.
@@ -52,7 +54,8 @@ EARLY = dict(monitor="val_acc", early_stop_patience=1, early_stop_min_delta=0.00
 
 # ---------------------------------------------------------------------- the scenarios, run inside each rank
 def _scenario_parity(world_size: int, out: Path, accumulate: int = 1, **flags) -> dict:
-    cfg = make_cfg(out, ddp.DDPConfig, epochs=1, batch_size=GLOBAL_BATCH // world_size // accumulate,
+    flags.setdefault("epochs", PARITY_EPOCHS)
+    cfg = make_cfg(out, ddp.DDPConfig, batch_size=GLOBAL_BATCH // world_size // accumulate,
                    accumulate=accumulate, lr=LR, dist_timeout_s=120, **flags)
     summary = ddp.train(cfg)
     return {k: summary[k] for k in ("final_val_loss", "final_val_acc", "optimizer_steps", "samples_seen",
@@ -108,6 +111,7 @@ def _scenario_ddp_semantics(world_size: int, rank: int) -> dict:
 
     train_ds, _ = data.load_digits_split()
     x_all, y_all = train_ds.tensors
+    x_all = x_all.double()  # float64 throughout (models too): the comparisons below hold on any CPU
     info = data.DataInfo("digits", (1, 8, 8), 10)
     b = 8  # per rank, per micro-batch
     G = b * world_size  # the global batch of one micro-step
@@ -115,7 +119,7 @@ def _scenario_ddp_semantics(world_size: int, rank: int) -> dict:
     try:
         # -- broadcast: every rank builds its model from its own seed
         torch.manual_seed(100 + rank)
-        model = build_model("cnn", info)
+        model = build_model("cnn", info).double()
         spread_before = _spread(_flat(model.parameters()))
         ddp_model = DDP(model)
         spread_after_wrap = _spread(_flat(model.parameters()))
@@ -128,7 +132,7 @@ def _scenario_ddp_semantics(world_size: int, rank: int) -> dict:
         final = _flat(model.parameters())
         spread_final = _spread(final)
         torch.manual_seed(100)  # the single-process reference starts from rank 0's weights
-        ref = build_model("cnn", info)
+        ref = build_model("cnn", info).double()
         ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
         for step in range(3):
             ref_opt.zero_grad()
@@ -138,7 +142,7 @@ def _scenario_ddp_semantics(world_size: int, rank: int) -> dict:
 
         # -- no_sync: a window of K=2 micro-steps; micro-step k, rank r takes block k*N + r of the window
         torch.manual_seed(0)
-        model = build_model("cnn", info)
+        model = build_model("cnn", info).double()
         ref = copy.deepcopy(model)
         ddp_model = DDP(model)
         K, window = 2, slice(1000, 1000 + 2 * G)
@@ -207,10 +211,14 @@ def _scenario(name: str, world_size: int, rank: int, out: Path) -> dict:
         return _scenario_early_stop(world_size, out / name)
     if name == "nan":
         return _scenario_nan(world_size, out / name)
-    # parity scenarios: "parity", "parity_accumulate", "parity_16-o2", ...
+    # parity scenarios: "parity", "parity_accumulate" (64-true), "parity_fp32", "parity_16-o2", ...
     kwargs = {"accumulate": 2} if name == "parity_accumulate" else {}
+    if name in ("parity", "parity_accumulate"):
+        kwargs.update(precision="64-true")
+    if name == "parity_fp32":
+        kwargs.update(model=FP32_MODEL)
     if name.startswith("parity_16"):  # fp16 is slow on this CPU: a few steps, not an epoch
-        kwargs.update(precision=name[len("parity_"):], max_steps=PRECISION_STEPS)
+        kwargs.update(precision=name[len("parity_"):], epochs=1, max_steps=PRECISION_STEPS)
     return _scenario_parity(world_size, out / name, **kwargs)
 
 
@@ -227,18 +235,20 @@ def job4(tmp_path_factory):
 @pytest.fixture(scope="module")
 def job2(tmp_path_factory):
     out = tmp_path_factory.mktemp("ddp2")
-    return out, run_job(_scenario, 2, out, ["parity", "parity_accumulate", "ddp_semantics", "parity_16-o2",
-                                            "parity_16-mixed", "rng"], PRELOAD)
+    return out, run_job(_scenario, 2, out, ["parity", "parity_accumulate", "parity_fp32", "ddp_semantics",
+                                            "parity_16-o2", "parity_16-mixed", "rng"], PRELOAD)
 
 
 def _single_run(out: Path, **flags) -> Path:
-    single.train(make_cfg(out, Config, epochs=1, lr=LR, out_dir=str(out), **flags))
+    flags.setdefault("epochs", PARITY_EPOCHS)
+    single.train(make_cfg(out, Config, lr=LR, out_dir=str(out), **flags))
     return out
 
 
 @pytest.fixture(scope="module")
 def single32(tmp_path_factory):
-    return _single_run(tmp_path_factory.mktemp("single32"), batch_size=GLOBAL_BATCH)
+    """The baseline of the 64-true parity scenarios: one process, batch 32 (the global batch), two epochs."""
+    return _single_run(tmp_path_factory.mktemp("single32"), batch_size=GLOBAL_BATCH, precision="64-true")
 
 
 # ---------------------------------------------------------------------- parity
@@ -248,9 +258,24 @@ def single32(tmp_path_factory):
 def test_n_ranks_with_batch_b_equal_one_process_with_batch_n_times_b(world_size, scenario, job2, job4, single32):
     out, results = {2: job2, 4: job4}[world_size]
     diff = max_param_diff(load_model_state(out / scenario / "run"), load_model_state(single32))
-    assert diff < TOL, f"{world_size} ranks ({scenario}) vs one process with batch 32: max abs diff {diff:.3g}"
-    assert all(r[scenario]["optimizer_steps"] == 47 for r in results)  # ceil(1500 / 32), last window partial
-    assert results[0][scenario]["samples_seen"] == 1500 and results[0][scenario]["global_batch_size"] == 32
+    assert diff <= PARITY_TOL_64, f"{world_size} ranks ({scenario}) vs one process with batch 32: {diff:.3g}"
+    assert all(r[scenario]["optimizer_steps"] == 2 * 47 for r in results)  # ceil(1500 / 32) an epoch
+    assert results[0][scenario]["samples_seen"] == 2 * 1500 and results[0][scenario]["global_batch_size"] == 32
+
+
+def test_fp32_two_ranks_within_the_noise_floor(job2, tmp_path):
+    """fp32 (mlp, two epochs): 2 ranks x 16 vs one process x 32 within 10 one-ulp drifts of the baseline; the
+    wrong pairing (one process with the per-rank batch) is far outside."""
+    out, _ = job2
+    flags = dict(model=FP32_MODEL, batch_size=GLOBAL_BATCH)
+    reference = load_model_state(_single_run(tmp_path / "ref", **flags))
+    floor = fp32_noise_floor(lambda name: load_model_state(_single_run(tmp_path / name, **flags)), reference)
+    ranks = load_model_state(out / "parity_fp32" / "run")
+    assert_within_fp32_floor(max_param_diff(ranks, reference), floor, "2 ranks x 16 vs 1 x 32")
+    wrong = load_model_state(_single_run(tmp_path / "wrong", model=FP32_MODEL, batch_size=GLOBAL_BATCH // 2,
+                                         max_steps=2 * 47))
+    with pytest.raises(AssertionError):
+        assert_within_fp32_floor(max_param_diff(ranks, wrong), floor, "2 ranks x 16 vs 1 x 16")
 
 
 def test_four_ranks_write_the_outputs_contract_from_rank_0(job4):
@@ -260,35 +285,36 @@ def test_four_ranks_write_the_outputs_contract_from_rank_0(job4):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert set(SUMMARY_KEYS) <= summary.keys()
     assert summary["script"] == "ddp" and summary["world_size"] == 4 and summary["global_batch_size"] == 32
-    assert summary["samples_seen"] == 1500 and summary["optimizer_steps"] == 47
+    assert summary["samples_seen"] == 2 * 1500 and summary["optimizer_steps"] == 2 * 47
     assert summary["final_val_acc"] == results[0]["parity"]["final_val_acc"]
     with open(run_dir / "metrics.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     assert tuple(rows[0].keys()) == CSV_COLUMNS
     # one row per log step (every 10 steps and the epoch's last), written once: rank 0 alone writes
-    assert [int(r["step"]) for r in rows if r["split"] == "train"] == [10, 20, 30, 40, 47]
+    assert [int(r["step"]) for r in rows if r["split"] == "train"] == [10, 20, 30, 40, 47, 50, 60, 70, 80, 90, 94]
     ckpt = torch.load(run_dir / "last.pt", weights_only=True)
-    assert ckpt["world_size"] == 4 and ckpt["step"] == 47 and ckpt["epoch"] == 1
+    assert ckpt["world_size"] == 4 and ckpt["step"] == 2 * 47 and ckpt["epoch"] == 2
     assert not any(k.startswith("module.") for k in ckpt["model"]), "the unwrapped model is saved"
     assert not list(run_dir.glob(".*tmp*")), "no temporary files left behind"
 
 
 def test_parity_check_can_fail(job4, single32, tmp_path):
-    """The deliberately wrong pairing: one process with the per-rank batch (8), for as many steps (47)."""
-    wrong = _single_run(tmp_path / "single8", batch_size=GLOBAL_BATCH // 4, max_steps=47)
+    """The deliberately wrong pairing: one process with the per-rank batch (8), for as many steps (94)."""
+    wrong = _single_run(tmp_path / "single8", batch_size=GLOBAL_BATCH // 4, max_steps=2 * 47, precision="64-true")
     assert max_param_diff(load_model_state(job4[0] / "parity" / "run"), load_model_state(wrong)) > 1e-3
 
 
 # ---------------------------------------------------------------------- evaluation
 def _single_process_eval(weights: dict, indices=None):
-    """Evaluate weights on the digits val set (or some of its indices) in one process."""
-    cfg = Config()  # the defaults: digits, cnn, 32-true
+    """Evaluate 64-true weights on the digits val set (or some of its indices) in one process, in float64."""
+    cfg = Config(precision="64-true")  # otherwise the defaults: digits, cnn
     _, val_ds, info = data.build_datasets(cfg)
-    model = build_model("cnn", info)
-    model.load_state_dict(weights)
+    amp = Precision(cfg, torch.device("cpu"))
+    model, _ = amp.prepare(build_model("cnn", info))
+    model.module.load_state_dict(weights)
     ds = val_ds if indices is None else torch.utils.data.Subset(val_ds, indices)
     loader = data.build_loader(ds, cfg, torch.device("cpu"), batch_size=256)
-    loss, correct, count = evaluate(model, loader, torch.device("cpu"), Precision(cfg, torch.device("cpu")))
+    loss, correct, count = evaluate(model, loader, torch.device("cpu"), amp)
     return (loss / count).item(), (correct / count).item(), int(count.item())
 
 
@@ -300,9 +326,9 @@ def test_distributed_evaluation_equals_single_process_evaluation(world_size, job
     assert count == 297 and 297 % world_size != 0  # shards of unequal size: 149/148, 75/74/74/74
     for r in results:  # every rank reports the same, all-reduced numbers
         assert r["parity"]["final_val_acc"] == val_acc  # a ratio of two exact integer counts
-        # The same samples, each counted once; per-sample fp32 losses differ in the last bits between a conv
-        # over 149 or 75 samples and one over 297 (measured: 4e-8 relative), so not bit for bit.
-        assert r["parity"]["final_val_loss"] == pytest.approx(val_loss, rel=1e-6, abs=0)
+        # The same samples, each counted once; per-sample losses differ in the last bits between a conv over 149
+        # or 75 samples and one over 297 (fp32: 4e-8 relative), so not bit for bit: in float64 to 1e-12.
+        assert r["parity"]["final_val_loss"] == pytest.approx(val_loss, rel=1e-12, abs=0)
     # Lightning's way, the wrong variant: DistributedSampler pads 297 to 300 with repeats of the first samples.
     padded = [i for rank in range(world_size) for i in torch.utils.data.DistributedSampler(
         range(297), num_replicas=world_size, rank=rank, shuffle=False)]
@@ -355,7 +381,7 @@ def test_ranks_started_from_different_seeds_end_identical(job2):
     assert r["spread_before"] > 1e-3  # the ranks really did build different weights
     assert r["spread_after_wrap"] == 0.0  # DDP's constructor broadcast rank 0's
     assert r["spread_final"] == 0.0  # same averaged gradients, same steps: still bitwise equal
-    assert r["final_vs_single"] < TOL  # and equal to one process from rank 0's seed on the whole batches
+    assert r["final_vs_single"] <= PARITY_TOL_64  # and equal to one process from rank 0's seed on the whole batches
 
 
 def test_no_sync_accumulates_locally_and_the_last_micro_step_syncs(job2):
@@ -363,7 +389,7 @@ def test_no_sync_accumulates_locally_and_the_last_micro_step_syncs(job2):
     assert r["spread_inside_no_sync"] > 1e-4  # inside no_sync: each rank holds its own gradient
     assert r["inside_vs_single"] > 1e-4  # ... which is not the gathered batch's gradient
     assert r["spread_synced"] == 0.0  # after the window's last backward: one all-reduced gradient
-    assert r["synced_vs_single"] < TOL  # equal to one process's gradient on the whole window
+    assert r["synced_vs_single"] <= PARITY_TOL_64  # equal to one process's gradient on the whole window
 
 
 # ---------------------------------------------------------------------- precision composes

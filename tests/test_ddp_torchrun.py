@@ -10,12 +10,12 @@ from __future__ import annotations
 import csv
 
 import pytest
-from conftest import load_model_state, max_param_diff, run_script, torchrun
+from conftest import PARITY_TOL_64, load_model_state, max_param_diff, run_script, torchrun
 
 from manual_train.cli import run
 from manual_train.loops import single
 
-TOL = 1e-6
+PRECISION = ("--precision", "64-true")  # the parity pair's proof holds on any CPU (tests/test_any_cpu.py)
 
 
 def error_lines(stderr: str) -> list[str]:
@@ -24,9 +24,9 @@ def error_lines(stderr: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    """The issue's command: torchrun --nproc_per_node=2 launch/ddp.py --batch-size 16 --epochs 2 --out-dir A."""
+    """torchrun --nproc_per_node=2 launch/ddp.py --batch-size 16 --epochs 2 --precision 64-true --out-dir A."""
     out = tmp_path_factory.mktemp("A")
-    proc = run_script("ddp", "--batch-size", "16", "--epochs", "2", "--out-dir", str(out), "--no-progress",
+    proc = run_script("ddp", "--batch-size", "16", "--epochs", "2", *PRECISION, "--out-dir", str(out), "--no-progress",
                       launcher=torchrun(2), timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out, proc
@@ -37,10 +37,10 @@ def test_torchrun_two_ranks_batch_16_equals_single_process_batch_32(uninterrupte
     a, proc_a = uninterrupted
     b = tmp_path / "B"
     # launch/single.py is this call (cli.run with single.train); run here, it spares a 4 s interpreter start
-    assert run(single.train, script="single", argv=["--batch-size", "32", "--epochs", "2", "--out-dir", str(b),
-                                                    "--no-progress"]) == 0
+    assert run(single.train, script="single", argv=["--batch-size", "32", "--epochs", "2", *PRECISION,
+                                                    "--out-dir", str(b), "--no-progress"]) == 0
     diff = max_param_diff(load_model_state(a), load_model_state(b))
-    assert diff < TOL, f"A/last.pt vs B/last.pt: max abs diff {diff:.3g}"
+    assert diff <= PARITY_TOL_64, f"A/last.pt vs B/last.pt: max abs diff {diff:.3g}"
     assert "global batch 32 = batch 16 x accumulate 1 x world size 2" in proc_a.stdout
     # Only rank 0 prints: one banner, one line per epoch, not one per rank.
     assert proc_a.stdout.count("global batch 32") == 1 and proc_a.stdout.count("epoch 2/2") == 1
@@ -75,8 +75,9 @@ def test_a_killed_worker_restarts_from_last_pt_and_ends_with_the_uninterrupted_w
     restarts the group once, every rank loads last.pt, and the run ends where the uninterrupted one did."""
     a, _ = uninterrupted
     out = tmp_path / "X"
-    proc = run_script("ddp", "--batch-size", "16", "--epochs", "2", "--out-dir", str(out), "--resume", "auto",
-                      "--fail-at-step", "60", "--fail-rank", "1", "--fail-mode", "kill", "--no-progress",
+    proc = run_script("ddp", "--batch-size", "16", "--epochs", "2", *PRECISION, "--out-dir", str(out),
+                      "--resume", "auto", "--fail-at-step", "60", "--fail-rank", "1", "--fail-mode", "kill",
+                      "--no-progress",
                       launcher=torchrun(2, "--max-restarts", "1"), timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "exitcode: -9" in proc.stderr  # torchrun saw the SIGKILL ...
