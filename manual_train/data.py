@@ -15,8 +15,10 @@ batch N*b see, step by step, the same samples as N DDP ranks with batch b.
 """
 from __future__ import annotations
 
+import math
 import os
 import random
+import struct
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -101,8 +103,100 @@ class ReverseDigits(Dataset):
         return self.x[i], self.y[i]
 
 
+IDX_IMAGE_MAGIC = 2051  # 0x00000803: unsigned bytes, 3 dimensions (count, rows, columns)
+IDX_LABEL_MAGIC = 2049  # 0x00000801: unsigned bytes, 1 dimension (count)
+
+
+def _idx_files(cls, root: Path, train: bool):
+    """The two MNIST-format files torchvision reads for one split (its raw_folder: root/<class name>/raw)."""
+    raw = root / cls.__name__ / "raw"
+    prefix = "train" if train else "t10k"
+    return raw / f"{prefix}-images-idx3-ubyte", raw / f"{prefix}-labels-idx1-ubyte"
+
+
+def _idx_problem(path: Path, kind: str):
+    """What makes one IDX file unreadable (kind 'image' or 'label'), or None: size, magic number, header."""
+    magic, dims = (IDX_IMAGE_MAGIC, 3) if kind == "image" else (IDX_LABEL_MAGIC, 1)
+    header_bytes = 4 * (1 + dims)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            header = f.read(header_bytes)
+    except OSError as e:
+        return f"cannot be read ({e.strerror})"
+    if size == 0:
+        return f"is empty (0 bytes; an IDX {kind} file starts with a {header_bytes}-byte header)"
+    found = int.from_bytes(header[:4], "big")
+    if size >= 4 and found != magic:
+        return f"wrong magic number {found} (an IDX {kind} file starts with {magic})"
+    if size < header_bytes:
+        return f"is truncated: {size} bytes, shorter than its {header_bytes}-byte header"
+    shape = struct.unpack(f">{dims}I", header[4:])
+    expected = header_bytes + math.prod(shape)
+    if size != expected:
+        what = f"{shape[0]} images of {shape[1]}x{shape[2]}" if kind == "image" else f"{shape[0]} labels"
+        return (f"{'truncated' if size < expected else 'has trailing bytes'}: {size} bytes, but its header "
+                f"promises {what} ({expected} bytes)")
+    if shape[0] == 0:
+        return f"holds no {kind}s"
+    return None
+
+
+def _one_line(e: BaseException) -> str:
+    """An exception as one line: its first line and, for a multi-line one, its last (where the cause usually is)."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    text = lines[0] if len(lines) < 2 else f"{lines[0].rstrip(':')}: {lines[-1]}"
+    return f"{type(e).__name__}: {text}" if lines else type(e).__name__
+
+
+def _load_error(cfg: Config, cls, root: Path, train: bool, e: Exception) -> UsageError:
+    """torchvision's exception while loading one split, as the one-line error that names the file at fault."""
+    files = _idx_files(cls, root, train) if cfg.dataset != "cifar10" else ()
+    if isinstance(e, RuntimeError) and "not found" in str(e):  # "Dataset not found[ or corrupted]. You can ..."
+        both = _idx_files(cls, root, True) + _idx_files(cls, root, False) if files else ()  # it wants all four
+        missing = [f for f in both if not f.is_file()]
+        hint = "" if cfg.download else "; pass --download to fetch it"
+        detail = f"{missing[0]} is missing" if missing else str(e).split(".")[0]
+        return UsageError("--data-root", f"no usable {cfg.dataset} data under {root}{hint} ({detail})")
+    for path, kind in zip(files, ("image", "label")):
+        problem = path.is_file() and _idx_problem(path, kind)
+        if problem:
+            return UsageError("--data-root", f"{path}: {problem}")
+    if cfg.download and isinstance(e, (RuntimeError, OSError)):  # e.g. no network: "Error downloading ..."
+        return UsageError("--download", f"could not download {cfg.dataset} into {root}: {_one_line(e)}")
+    return UsageError("--data-root", f"could not load {cfg.dataset} from {root}: {_one_line(e)}")
+
+
+def _check_loaded(cfg: Config, cls, root: Path, train: bool, ds, classes: int, sample_shape: tuple) -> None:
+    """What torchvision loads without complaint but training would trip over mid-epoch (or silently skip):
+    a label count that differs from the image count, a label outside [0, classes), images of another size,
+    an empty split."""
+    if cfg.dataset == "cifar10":
+        images = labels = root / ds.base_folder
+    else:
+        images, labels = _idx_files(cls, root, train)
+    n_images, n_labels = len(ds.data), len(ds.targets)
+    if n_images == 0:
+        raise UsageError("--data-root", f"{images}: holds no images")
+    if n_labels != n_images:
+        raise UsageError("--data-root", f"{labels}: holds {n_labels} labels, but {images} holds {n_images} "
+                                        f"images (one label per image)")
+    targets = torch.as_tensor(ds.targets)
+    bad = ((targets < 0) | (targets >= classes)).nonzero()
+    if len(bad):
+        i = int(bad[0])
+        raise UsageError("--data-root", f"{labels}: label {int(targets[i])} (sample {i}) is out of range for "
+                                        f"{cfg.dataset}'s {classes} classes", f"0..{classes - 1}")
+    found = tuple(ds.data.shape[1:])
+    if found != sample_shape:
+        show = "x".join(map(str, found))
+        raise UsageError("--data-root", f"{images}: images are {show}, {cfg.dataset}'s are "
+                                        f"{'x'.join(map(str, sample_shape))}")
+
+
 def _torchvision_dataset(cfg: Config):
-    """mnist / fashion-mnist / cifar10 through torchvision, with a one-line error when absent."""
+    """mnist / fashion-mnist / cifar10 through torchvision: every unusable file is a one-line error that names it,
+    raised here, before the model is built (not a traceback mid-epoch)."""
     import torchvision
     from torchvision import transforms as T
 
@@ -111,27 +205,37 @@ def _torchvision_dataset(cfg: Config):
                                                                     (0.2470, 0.2435, 0.2616)), (3, 32, 32), 10
         train_tf = T.Compose([T.RandomCrop(32, padding=4), T.RandomHorizontalFlip(), T.ToTensor(),
                               T.Normalize(*stats)])
+        stored = (32, 32, 3)  # CIFAR10.data: (N, H, W, C) uint8
     else:
         cls = torchvision.datasets.MNIST if cfg.dataset == "mnist" else torchvision.datasets.FashionMNIST
         stats = ((0.1307,), (0.3081,)) if cfg.dataset == "mnist" else ((0.2860,), (0.3530,))
         shape, classes = (1, 28, 28), 10
         train_tf = T.Compose([T.ToTensor(), T.Normalize(*stats)])
+        stored = (28, 28)  # MNIST.data: (N, H, W) uint8
     val_tf = T.Compose([T.ToTensor(), T.Normalize(*stats)])
     root = Path(cfg.data_root)
-    try:
-        train = cls(str(root), train=True, download=cfg.download, transform=train_tf)
-        val = cls(str(root), train=False, download=cfg.download, transform=val_tf)
-    except RuntimeError as e:  # torchvision: "Dataset not found or corrupted. You can use download=True ..."
-        hint = "" if cfg.download else "; pass --download to fetch it"
-        raise UsageError("--data-root", f"no usable {cfg.dataset} data under {root}{hint} "
-                                        f"({str(e).split('.')[0]})") from None
-    except OSError as e:  # e.g. a download attempt on a machine without network
-        raise UsageError("--download", f"could not download {cfg.dataset} into {root}: {e}") from None
-    return train, val, DataInfo(cfg.dataset, shape, classes)
+    splits = []
+    for is_train, tf in ((True, train_tf), (False, val_tf)):
+        try:
+            ds = cls(str(root), train=is_train, download=cfg.download, transform=tf)
+        except Exception as e:  # torchvision's AssertionError, ValueError, RuntimeError, OSError ... for bad files
+            raise _load_error(cfg, cls, root, is_train, e) from None
+        _check_loaded(cfg, cls, root, is_train, ds, classes, stored)
+        splits.append(ds)
+    return splits[0], splits[1], DataInfo(cfg.dataset, shape, classes)
 
 
 def build_datasets(cfg: Config) -> tuple[Dataset, Dataset, DataInfo]:
-    """(train, val, info) for cfg.dataset. Raises UsageError for missing data."""
+    """(train, val, info) for cfg.dataset. Raises UsageError for missing or corrupt data, and for a --model that
+    cannot run on the data's input shape (e.g. --synthetic-shape 1,1,1 with cnn)."""
+    train, val, info = _datasets(cfg)
+    from manual_train.models import check_input_fits  # models imports DataInfo from here
+
+    check_input_fits(cfg.model, info, "--synthetic-shape" if cfg.dataset == "synthetic" else "--model")
+    return train, val, info
+
+
+def _datasets(cfg: Config) -> tuple[Dataset, Dataset, DataInfo]:
     if cfg.dataset == "digits":
         train, val = load_digits_split()
         return train, val, DataInfo("digits", (1, 8, 8), 10)

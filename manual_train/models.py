@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from manual_train.config import UsageError
 from manual_train.data import DataInfo
 
 
@@ -194,3 +195,52 @@ def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 def correct_count(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Number of correct predictions, as a device tensor (no host sync)."""
     return (logits.argmax(-1) == y).sum()
+
+
+IMAGE_MODELS = ("mlp", "cnn", "resnet18")
+
+
+def _forward_error(name: str, info: DataInfo, device: str):
+    """The RuntimeError that one eval-mode forward of a single zero sample raises on `device`, or None."""
+    try:
+        with torch.device(device):
+            model = build_model(name, info)
+            x = torch.zeros((1, *info.input_shape), dtype=torch.int64 if name == "seq2seq" else torch.float32)
+        with torch.no_grad():
+            model.eval()(x)
+    except RuntimeError as e:
+        return e
+    return None
+
+
+def _input_error(name: str, info: DataInfo):
+    """Shape inference on the meta device (no memory, no arithmetic); what fails there is confirmed by a real
+    forward on the CPU, so an operator without a meta kernel never refuses a model that runs."""
+    return _forward_error(name, info, "meta") and _forward_error(name, info, "cpu")
+
+
+def check_input_fits(name: str, info: DataInfo, flag: str = "--synthetic-shape") -> None:
+    """Refuse, as one UsageError line naming `flag`, a model that cannot run on samples of info.input_shape
+    (cnn's 2x2 max-pool on a 1x1 image): before the banner, not a traceback at the first step.
+
+    Builds throwaway copies of the model inside torch.random.fork_rng, so the global RNG is left exactly as it
+    was: the loops' torch.manual_seed(seed) right before build_model keeps giving the same initial weights.
+    """
+    with torch.random.fork_rng(devices=[]):
+        error = _input_error(name, info)
+        if error is None:
+            return
+        shape = ",".join(map(str, info.input_shape))
+        what, allowed = f"{shape} does not fit --model {name}", None
+        if len(info.input_shape) == 3 and name in IMAGE_MODELS:  # images: say what would run instead
+            c, h, w = info.input_shape
+            side = next((s for s in range(1, 65)
+                         if _input_error(name, DataInfo(info.name, (c, s, s), info.num_classes)) is None), None)
+            others = [m for m in IMAGE_MODELS if m != name and _input_error(m, info) is None]
+            if side is not None and min(h, w) < side:
+                what = f"{shape} is too small for --model {name}"
+            hints = ([f"H and W >= {side} for --model {name}"] if side is not None else [])
+            hints += [f"--model {m}" for m in others]
+            allowed = ", or ".join(hints) or None
+    reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    raise UsageError(flag, f"{what} (one forward pass fails: {reason})", allowed)
