@@ -2,27 +2,31 @@
 
 Every launch script shares the flags of `Config`; a script with flags of its own subclasses it
 (e.g. `DDPConfig(Config)` adds `--backend`). Each field is declared with `arg(default, help, ...)`;
-the parser, its `--help` text and the generic checks (choices, lower bounds) all come from that one
-declaration, so a flag cannot be documented in one place and validated differently in another.
+the parser, its `--help` text and the generic checks (choices, bounds, finite floats) all come from that
+one declaration, so a flag cannot be documented in one place and validated differently in another.
 
 Bad input never produces a traceback: every check raises `UsageError(flag, what, allowed)`, which
 `manual_train.cli.run` prints as one line
 
     error: --flag: what is wrong (allowed: ...)
 
-on stderr before exiting with status 2. All checks run before any directory is created.
+on stderr before exiting with status 2. All checks run before any directory is created (the one
+probe that tries whether --out-dir can be created removes what it made).
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
+import secrets
 import sys
+import tempfile
 import time
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Collection, Optional, Sequence
 
 
 class UsageError(Exception):
@@ -37,18 +41,28 @@ class UsageError(Exception):
 
 
 def arg(default, help: str, *, choices: Optional[Sequence] = None, min: Optional[float] = None,
-        min_exclusive: bool = False, metavar: Optional[str] = None):
+        min_exclusive: bool = False, max: Optional[float] = None, metavar: Optional[str] = None):
     """Declare a config field together with its flag's help text and generic checks.
 
-    min: smallest allowed value (inclusive unless min_exclusive); None values are always allowed.
+    min: smallest allowed value (inclusive unless min_exclusive); max: largest allowed value (inclusive).
+    None values are always allowed; float values must also be finite (nan, inf and -inf are refused).
     """
     return field(default=default, metadata=dict(help=help, choices=choices, min=min,
-                                                 min_exclusive=min_exclusive, metavar=metavar))
+                                                 min_exclusive=min_exclusive, max=max, metavar=metavar))
 
 
 DATASETS = ("digits", "mnist", "fashion-mnist", "cifar10", "synthetic", "reverse")
 MODELS = ("mlp", "cnn", "resnet18", "seq2seq")
 PRECISIONS = ("32-true", "64-true", "16-mixed", "bf16-mixed", "16-o2", "apex-o2")
+# --seed: each rank reseeds numpy with seed + rank, and numpy takes seeds below 2**32; 2**31 - 1 leaves room
+# for 2**31 ranks.
+MAX_SEED = 2 ** 31 - 1
+# --loss-scale-*: far above any useful scale (fp16 overflows at 65504), far below float32's 3.4e38, where the
+# scale itself would become inf (every step skipped, forever).
+MAX_LOSS_SCALE = 2.0 ** 64
+# A run folder's own files (checkpoints' temp files, tb/ event files named after the host) need this many
+# characters of the OS's path limit beyond the folder's own path.
+OUT_DIR_ROOM = 160
 
 
 @dataclass
@@ -88,9 +102,11 @@ class Config:
                                     "the parity mode whose results do not depend on the CPU; 16-o2 is apex's O2 "
                                     "written out; apex-o2 needs apex",
                          choices=PRECISIONS)
-    loss_scale_init: float = arg(2.0 ** 16, "initial dynamic loss scale (16-mixed, 16-o2)", min=1)
+    loss_scale_init: float = arg(2.0 ** 16, "initial dynamic loss scale (16-mixed, 16-o2; at most "
+                                            "--loss-scale-max under 16-o2)", min=1, max=MAX_LOSS_SCALE)
     loss_scale_growth_interval: int = arg(2000, "clean steps before the loss scale doubles", min=1)
-    loss_scale_max: float = arg(2.0 ** 24, "cap on the dynamic loss scale (16-o2, as apex)", min=1)
+    loss_scale_max: float = arg(2.0 ** 24, "cap on the dynamic loss scale (16-o2, as apex; at most 2**64)",
+                                min=1, max=MAX_LOSS_SCALE)
     # data loading
     num_workers: int = arg(0, "DataLoader worker processes (0 loads in the main process)", min=0)
     pin_memory: Optional[bool] = arg(None, "page-locked host batches for async copies (default: on for CUDA)")
@@ -99,7 +115,9 @@ class Config:
                                                "torch's default is 2)", min=1)
     # device and reproducibility
     device: str = arg("auto", "auto, cpu, cuda or cuda:N", metavar="{auto,cpu,cuda,cuda:N}")
-    seed: int = arg(0, "seed for weights, shuffling and workers", min=0)
+    seed: int = arg(0, "seed for weights, shuffling and workers; at most 2**31 - 1, so that seed + rank (each "
+                       "rank's own stream) stays a valid numpy seed (< 2**32) for up to 2**31 ranks",
+                    min=0, max=MAX_SEED)
     deterministic: bool = arg(False, "torch.use_deterministic_algorithms(True) and deterministic cuDNN")
     # evaluation, early stopping, logging
     eval_every: int = arg(1, "evaluate every N epochs (and always after the last)", min=1)
@@ -113,43 +131,55 @@ class Config:
     log_every: int = arg(10, "optimizer steps between training-loss rows (each is one host sync)", min=1)
     progress: bool = arg(True, "tqdm progress bar on rank 0")
     tensorboard: bool = arg(False, "also write TensorBoard events (needs the tensorboard package)")
-    out_dir: Optional[str] = arg(None, "run folder (default: runs/<script>-<timestamp>)", metavar="DIR")
+    out_dir: Optional[str] = arg(None, "run folder (default: runs/<script>-<YYYYmmdd-HHMMSS>-<6 random hex "
+                                       "digits>, new for every run)", metavar="DIR")
     resume: Optional[str] = arg(None, "continue from a checkpoint (last.pt/best.pt); 'auto' = "
                                       "<out-dir>/last.pt if it exists", metavar="PATH")
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
         """Checks that need more than one flag or the machine; raise UsageError. Subclasses extend."""
-        self.input_shape()  # parses --synthetic-shape
-        if self.model == "seq2seq" and self.dataset != "reverse":
-            raise UsageError("--model", f"seq2seq needs --dataset reverse, not {self.dataset}",
-                             "mlp, cnn, resnet18")
-        if self.dataset == "reverse" and self.model != "seq2seq":
-            raise UsageError("--model", f"--dataset reverse is a sequence task; {self.model} is an image model",
-                             "seq2seq")
+        self.validate_step()
         if self.num_workers == 0 and self.persistent_workers:
             raise UsageError("--persistent-workers", "needs worker processes; set --num-workers > 0")
         if self.num_workers == 0 and self.prefetch_factor is not None:
             raise UsageError("--prefetch-factor", "needs worker processes; set --num-workers > 0")
-        check_device_name(self.device, "--device")
-        if self.precision == "apex-o2":
-            from manual_train.precision import apex_amp_or_error
-            apex_amp_or_error()
         if self.tensorboard:
             try:
                 import torch.utils.tensorboard  # noqa: F401
             except ImportError:
                 raise UsageError("--tensorboard", "the tensorboard package is not installed "
                                  "(pip install -e '.[tensorboard]')") from None
-        if self.resume not in (None, "auto") and not Path(self.resume).is_file():
-            raise UsageError("--resume", f"no checkpoint file at {self.resume}", "a last.pt/best.pt path or auto")
+        if self.resume not in (None, "auto"):
+            check_path(self.resume, "--resume")
+            if not Path(self.resume).is_file():
+                raise UsageError("--resume", f"no checkpoint file at {self.resume}", "a last.pt/best.pt path or auto")
         if self.resume == "auto" and self.out_dir is None:
             raise UsageError("--resume", "auto needs an explicit --out-dir to look for last.pt in")
-        check_writable_dir(self.out_dir, "--out-dir")
+        check_writable_dir(self.out_dir, "--out-dir", room=OUT_DIR_ROOM)
         if self.out_dir and self.resume is None and any((Path(self.out_dir) / name).exists()
                                                         for name in ("last.pt", "metrics.csv")):
             raise UsageError("--out-dir", f"{self.out_dir} already holds a run (nothing is overwritten)",
                              "--resume auto to continue it, or a new --out-dir")
+
+    def validate_step(self) -> None:
+        """The checks for what one training step needs: data, model, loss scale, device (find_batch_size's)."""
+        self.input_shape()  # parses --synthetic-shape
+        check_path(self.data_root, "--data-root")
+        if self.model == "seq2seq" and self.dataset != "reverse":
+            raise UsageError("--model", f"seq2seq needs --dataset reverse, not {self.dataset}",
+                             "mlp, cnn, resnet18")
+        if self.dataset == "reverse" and self.model != "seq2seq":
+            raise UsageError("--model", f"--dataset reverse is a sequence task; {self.model} is an image model",
+                             "seq2seq")
+        if self.precision == "16-o2" and self.loss_scale_init > self.loss_scale_max:  # the scaler's cap
+            cap = _number(self.loss_scale_max)
+            raise UsageError("--loss-scale-init", f"{_number(self.loss_scale_init)} is above --loss-scale-max {cap}",
+                             f"<= {cap}")
+        check_device_name(self.device, "--device")
+        if self.precision == "apex-o2":
+            from manual_train.precision import apex_amp_or_error
+            apex_amp_or_error()
 
     def input_shape(self) -> tuple:
         try:
@@ -162,9 +192,11 @@ class Config:
         return shape
 
     def run_dir(self, script: str) -> Path:
-        """--out-dir, or runs/<script>-<timestamp> (chosen once, so every rank agrees within a second)."""
+        """--out-dir, or runs/<script>-<YYYYmmdd-HHMMSS>-<6 random hex digits> (chosen once; under torchrun
+        rank 0 chooses and broadcasts it). The random part keeps two runs started in the same second apart,
+        also where a process id would not (containers sharing a folder often run the same pid)."""
         if self.out_dir is None:
-            self.out_dir = str(Path("runs") / f"{script}-{time.strftime('%Y%m%d-%H%M%S')}")
+            self.out_dir = str(Path("runs") / f"{script}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}")
         return Path(self.out_dir)
 
     def resume_path(self) -> Optional[Path]:
@@ -192,17 +224,63 @@ def check_device_name(name: str, flag: str) -> None:
     raise UsageError(flag, f"unknown device {name!r}", allowed)
 
 
-def check_writable_dir(path: Optional[str], flag: str) -> None:
-    """The folder (or its nearest existing parent) must be a writable directory; nothing is created."""
+def _nearest_existing(p: Path) -> Path:
+    """p or its nearest ancestor that exists (os.path.exists: False, not an exception, for any OSError)."""
+    while not os.path.exists(p) and p != p.parent:
+        p = p.parent
+    return p
+
+
+def _pathconf(path: Path, name: str, fallback: int) -> int:
+    try:
+        value = os.pathconf(path, name)
+    except (OSError, ValueError):
+        return fallback
+    return value if value and value > 0 else fallback
+
+
+def check_path(path: str, flag: str, *, room: int = 0) -> None:
+    """A path the OS can take: not empty, each name within the file system's NAME_MAX (bytes) and the whole
+    absolute path, plus `room` characters for what goes inside it, within PATH_MAX. Otherwise the first
+    open/mkdir fails with `OSError: [Errno 36] File name too long`, after set-up."""
+    if not path:
+        raise UsageError(flag, "is empty", "a path")
+    p = Path(path).absolute()
+    existing = _nearest_existing(p)
+    name_max = _pathconf(existing, "PC_NAME_MAX", 255)
+    path_max = _pathconf(existing, "PC_PATH_MAX", 4096)  # counts the terminating NUL
+    for part in p.parts:
+        if len(os.fsencode(part)) > name_max:
+            raise UsageError(flag, f"the name {part[:20]}... is {len(os.fsencode(part))} bytes long, over this "
+                                   f"file system's limit", f"names of at most {name_max} bytes")
+    length = len(os.fsencode(str(p)))
+    if length + room > path_max - 1:
+        what = f"the path is {length} bytes long" + (" as an absolute path" if str(p) != path else "")
+        if room:
+            what += f", and files inside it need {room} more"
+        raise UsageError(flag, f"{what}; the OS allows {path_max - 1}",
+                         f"a path of at most {path_max - 1 - room} bytes")
+
+
+def check_writable_dir(path: Optional[str], flag: str, *, room: int = 0) -> None:
+    """The folder must be creatable (or, if it exists, writable): its path within the OS's limits, its
+    nearest existing parent a directory in which a folder can really be made. That is tried, not inferred
+    from os.access (which says yes to root everywhere, /proc included): a uniquely named probe folder is
+    made there and removed at once, so nothing is left behind and concurrent ranks cannot collide."""
     if path is None:
         path = "runs"
-    p = Path(path).absolute()
-    while not p.exists():
-        p = p.parent
+    check_path(path, flag, room=room)
+    p = _nearest_existing(Path(path).absolute())
     if not p.is_dir():
         raise UsageError(flag, f"{p} exists and is not a directory")
-    if not os.access(p, os.W_OK | os.X_OK):
-        raise UsageError(flag, f"{p} is not writable")
+    try:
+        probe = tempfile.mkdtemp(prefix=".probe-", dir=p)
+    except OSError as e:
+        raise UsageError(flag, f"{p} is not writable: cannot create a folder in it ({e.strerror})") from None
+    try:
+        os.rmdir(probe)
+    except OSError:
+        pass
 
 
 # ---------------------------------------------------------------------- argparse from the dataclass
@@ -229,6 +307,9 @@ class _OneLineParser(argparse.ArgumentParser):
         if message.startswith("unrecognized arguments: "):
             extra = message.split(": ", 1)[1]
             message = f"{extra.split()[0]}: unknown flag or stray argument {extra!r} (see --help)"
+        elif message.endswith(": expected one argument"):  # also `--lr -1e-3`: argparse takes it for a flag
+            flag = message.split(":", 1)[0].split("/")[-1]
+            message += f" (a value that starts with '-' needs {flag}=VALUE)"
         sys.stderr.write(f"error: {message}\n")
         sys.exit(2)
 
@@ -238,18 +319,27 @@ def _flag(name: str) -> str:
 
 
 def build_parser(config_cls=Config, *, prog: Optional[str] = None, description: Optional[str] = None,
-                 quiet: bool = False, **defaults) -> argparse.ArgumentParser:
-    """One argparse flag per dataclass field; `defaults` overrides per script (e.g. dataset='reverse')."""
+                 quiet: bool = False, fields: Optional[Collection[str]] = None,
+                 **defaults) -> argparse.ArgumentParser:
+    """One argparse flag per dataclass field; `defaults` overrides per script (e.g. dataset='reverse').
+
+    fields: only these fields become flags (a tool that uses a few of them, e.g. find_batch_size); the
+    others keep their defaults and passing one is an unknown flag.
+    """
     parser = _OneLineParser(prog=prog, description=description, allow_abbrev=False, quiet=quiet,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
     hints = typing.get_type_hints(config_cls)
     for f in dataclasses.fields(config_cls):
+        if fields is not None and f.name not in fields:
+            continue
         meta = f.metadata
         default = defaults.get(f.name, f.default)
         base = hints[f.name]
         if typing.get_origin(base) is typing.Union:  # Optional[X]
             base = next(t for t in typing.get_args(base) if t is not type(None))
-        helptext = meta.get("help", "") + " (default: %(default)s)"
+        helptext = meta.get("help", "")
+        if default is not None and "(default:" not in helptext:  # one default: the help's own, or this one
+            helptext += " (default: %(default)s)"
         if base is bool:
             parser.add_argument(_flag(f.name), dest=f.name, default=default,
                                 action=argparse.BooleanOptionalAction, help=helptext)
@@ -262,24 +352,48 @@ def build_parser(config_cls=Config, *, prog: Optional[str] = None, description: 
     return parser
 
 
+def _number(x) -> str:
+    """A bound as the user would type it: 2147483647, 1e+07, 2**64."""
+    if isinstance(x, int):
+        return str(x)
+    mantissa, exponent = math.frexp(x)
+    if mantissa == 0.5 and exponent > 24:
+        return f"2**{exponent - 1}"
+    return f"{x:g}"
+
+
 def check_bounds(cfg: Config) -> None:
-    """The per-field lower bounds declared with arg(min=...)."""
+    """The per-field bounds declared with arg(min=..., max=...); every float must be finite.
+
+    `x < lo` is False for nan, so without the finiteness check nan would pass every bound (and inf every
+    lower one) and reach the optimizer, the loss scaler or datetime.timedelta.
+    """
     for f in dataclasses.fields(cfg):
-        lo = f.metadata.get("min")
         value = getattr(cfg, f.name)
-        if lo is None or value is None or isinstance(value, bool):
+        if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
             continue
-        bad = value <= lo if f.metadata.get("min_exclusive") else value < lo
-        if bad:
-            need = f"> {lo:g}" if f.metadata.get("min_exclusive") else f">= {lo:g}"
-            raise UsageError(_flag(f.name), f"{value} is out of range", need)
+        lo, hi = f.metadata.get("min"), f.metadata.get("max")
+        exclusive = f.metadata.get("min_exclusive")
+        need = []
+        if lo is not None:
+            need.append(f"> {_number(lo)}" if exclusive else f">= {_number(lo)}")
+        if hi is not None:
+            need.append(f"<= {_number(hi)}")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise UsageError(_flag(f.name), f"{value} is not a finite number",
+                             " and ".join(["a finite number"] + need))
+        if (lo is not None and (value <= lo if exclusive else value < lo)) or (hi is not None and value > hi):
+            raise UsageError(_flag(f.name), f"{value} is out of range", " and ".join(need))
 
 
 def parse_config(config_cls=Config, argv: Optional[Sequence[str]] = None, *, prog: Optional[str] = None,
-                 description: Optional[str] = None, quiet: bool = False, **defaults) -> Config:
+                 description: Optional[str] = None, quiet: bool = False, fields: Optional[Collection[str]] = None,
+                 **defaults) -> Config:
     """Parse argv into a validated config. Raises UsageError (argparse errors exit 2 themselves)."""
-    args = build_parser(config_cls, prog=prog, description=description, quiet=quiet, **defaults).parse_args(argv)
-    cfg = config_cls(**vars(args))
+    args = vars(build_parser(config_cls, prog=prog, description=description, quiet=quiet, fields=fields,
+                             **defaults).parse_args(argv))
+    names = {f.name for f in dataclasses.fields(config_cls)}
+    cfg = config_cls(**{**{k: v for k, v in defaults.items() if k in names}, **args})  # + fields not shown
     check_bounds(cfg)
     cfg.validate()
     return cfg

@@ -3,8 +3,9 @@
     python -m manual_train.find_batch_size --model resnet18 --dataset synthetic --device cuda
     python -m manual_train.find_batch_size --model cnn --memory-budget-bytes 300000000   # CPU: a cap
 
-Takes the training flags of launch/single.py (model, dataset, precision, optimizer, device) plus
-the two below. Each trial is one forward, backward and optimizer step on a batch of that size.
+Takes the training flags that change what one step holds in memory (dataset, model, precision,
+optimizer, device, seed) plus its own; the other training flags do not apply and are refused.
+Each trial is one forward, backward and optimizer step on a batch of that size.
 CUDA: trials run in this process and a size fits unless torch.cuda.OutOfMemoryError is raised.
 CPU: each trial runs in a fresh subprocess (so one trial's memory cannot hide another's) and a size
 fits when the step's peak memory, measured as the growth of the process's peak resident set over
@@ -25,21 +26,41 @@ import torch
 from manual_train.batch_size import cuda_step_fits, find_max_batch_size
 from manual_train.config import Config, UsageError, arg, parse_config
 
+# The Config fields one trial step reads that can change its memory (the rest keep their defaults): the data
+# (its shape, and the training-set size, the default --max-batch-size), the model, the precision, the
+# optimizer (its state), the device, and the seed of the weights. --lr, --weight-decay and the loss-scale flags
+# are read too but change no byte, so they are not offered.
+STEP_FLAGS = ("dataset", "data_root", "download", "synthetic_size", "synthetic_shape", "synthetic_classes", "model",
+              "optimizer", "precision", "device", "seed")
+
 
 @dataclass
 class FindConfig(Config):
+    """Config (whose fields the step code reads), of which the parser offers STEP_FLAGS and these four."""
+
     memory_budget_bytes: Optional[int] = arg(None, "CPU: the peak memory one training step may use", min=1)
     start: int = arg(1, "first batch size to try", min=1)
     max_batch_size: Optional[int] = arg(None, "largest size to try (default: the training set size)", min=1)
     trial: Optional[int] = arg(None, "internal: run one CPU trial at this size and print its peak bytes", min=1)
 
     def validate(self) -> None:
-        super().validate()
+        self.validate_step()  # not Config.validate: nothing here uses workers, --resume or an --out-dir
+        from manual_train.precision import check_precision
         from manual_train.runtime import resolve_device
 
-        if resolve_device(self.device).type == "cpu" and self.memory_budget_bytes is None and self.trial is None:
+        device = resolve_device(self.device)
+        check_precision(self.precision, device)  # here, not in the CPU trials' subprocesses
+        if device.type == "cpu" and self.memory_budget_bytes is None and self.trial is None:
             raise UsageError("--memory-budget-bytes", "required on CPU (nothing runs out of memory before the "
                                                       "machine swaps)", "a byte count such as 2000000000")
+
+
+class TrialFailed(Exception):
+    """A CPU trial's subprocess failed for a reason of its own (its stderr has been shown)."""
+
+
+FIELDS = STEP_FLAGS + tuple(f.name for f in dataclasses.fields(FindConfig) if f.name not in
+                           {g.name for g in dataclasses.fields(Config)})
 
 
 def _one_step(cfg: FindConfig, device, train_ds, info, batch_size: int) -> None:
@@ -85,7 +106,8 @@ def _cpu_trial(cfg: FindConfig) -> int:
 
 def main(argv=None) -> int:
     try:
-        cfg = parse_config(FindConfig, argv, prog="python -m manual_train.find_batch_size", description=__doc__)
+        cfg = parse_config(FindConfig, argv, prog="python -m manual_train.find_batch_size", description=__doc__,
+                           fields=FIELDS)
         if cfg.trial is not None:
             print(json.dumps({"batch_size": cfg.trial, "peak_bytes": _cpu_trial(cfg)}))
             return 0
@@ -98,12 +120,16 @@ def main(argv=None) -> int:
         if device.type == "cuda":
             fits = cuda_step_fits(lambda b: _one_step(cfg, device, train_ds, info, b), device)
         else:
-            argv_base = [f"--{k.replace('_', '-')}={v}" for k, v in dataclasses.asdict(cfg).items()
-                         if v is not None and not isinstance(v, bool) and k not in ("trial", "memory_budget_bytes")]
+            argv_base = [f"--{k.replace('_', '-')}={getattr(cfg, k)}" for k in STEP_FLAGS
+                         if getattr(cfg, k) is not None and not isinstance(getattr(cfg, k), bool)]
 
             def fits(b: int) -> bool:
                 out = subprocess.run([sys.executable, "-m", "manual_train.find_batch_size", *argv_base,
-                                      "--device=cpu", f"--trial={b}"], capture_output=True, text=True, check=True)
+                                      "--device=cpu", f"--trial={b}"], capture_output=True, text=True)
+                if out.returncode != 0:  # not a user error (the flags passed here): show the child's own report
+                    sys.stderr.write(out.stderr)
+                    raise TrialFailed(f"the trial at batch size {b} failed (exit status {out.returncode}); "
+                                      "its output is above")
                 peak = json.loads(out.stdout.strip().splitlines()[-1])["peak_bytes"]
                 print(f"  batch {b}: peak {peak / 2**20:.1f} MiB", file=sys.stderr)
                 return peak <= cfg.memory_budget_bytes
@@ -112,6 +138,9 @@ def main(argv=None) -> int:
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except TrialFailed as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     if best == 0:
         print(f"error: --start: batch size {cfg.start} already does not fit", file=sys.stderr)
         return 1

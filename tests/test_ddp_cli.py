@@ -45,7 +45,7 @@ BAD_INPUT = [
     (["--sync-bn"], "error: --sync-bn: SyncBatchNorm runs on CUDA devices only"),
     (["--backend", "nccl"], "error: --backend: nccl needs CUDA devices"),
     (["--backend", "mpi"], "error: --backend: invalid choice: 'mpi' (allowed: 'auto', 'nccl', 'gloo')"),
-    (["--dist-timeout-s", "0"], "error: --dist-timeout-s: 0.0 is out of range (allowed: > 0)"),
+    (["--dist-timeout-s", "0"], "error: --dist-timeout-s: 0.0 is out of range (allowed: > 0 and <= 1e+07)"),
     (["--fail-rank", "1"], "error: --fail-rank: needs --fail-at-step"),
     (["--fail-at-step", "3", "--fail-rank", "1"], "error: --fail-rank: rank 1 does not exist in a world of 1"),
     (["--fail-at-step", "3", "--fail-mode", "nan", "--dataset", "reverse", "--model", "seq2seq"],
