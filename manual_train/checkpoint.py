@@ -27,8 +27,16 @@ from manual_train.config import Config, UsageError
 
 REQUIRED_KEYS = ("model", "optimizer", "scheduler", "scaler", "epoch", "step", "rng", "early_stopping",
                  "config", "world_size")
-# Flags that must match for a checkpoint to make sense in this run (others may change on resume).
-MUST_MATCH = ("model", "dataset", "synthetic_shape", "synthetic_classes", "optimizer")
+# Flags that change what is trained: a resume continues the same training, so these must match the checkpoint's.
+# (--batch-size, --accumulate and the world size may change as long as the global batch does not; --epochs and
+# --max-steps may grow when the LR schedule does not depend on the run's length; the rest, e.g. workers,
+# logging, evaluation and --precision, may change freely.)
+MUST_MATCH = ("model", "dataset", "synthetic_size", "synthetic_shape", "synthetic_classes", "optimizer", "lr",
+              "lr_scaling", "base_batch_size", "weight_decay", "grad_clip", "schedule", "warmup_steps", "seed")
+
+
+class RunFinished(Exception):
+    """--resume of a run that already reached its end: nothing to train, nothing is written (exit status 0)."""
 
 
 def capture_rng() -> dict:
@@ -75,6 +83,25 @@ def save_checkpoint(state: dict, path: Path) -> None:
         raise
 
 
+def remove_stale_temp_files(out_dir: Path) -> None:
+    """Remove the temporary files of save_checkpoint (and summary.json's) left by a process that was killed while
+    writing them: `.<name>.tmp-<pid>` whose pid no longer runs. A live writer's file is left alone."""
+    for tmp in Path(out_dir).glob(".*.tmp-*"):
+        pid = tmp.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not _process_exists(int(pid)):
+            tmp.unlink(missing_ok=True)
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: no signal is sent, only the existence and permission checks are made
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def load_checkpoint(path: Path, flag: str = "--resume") -> dict:
     """Load with weights_only=True onto the CPU; a corrupt or foreign file is a one-line UsageError."""
     try:
@@ -90,13 +117,44 @@ def load_checkpoint(path: Path, flag: str = "--resume") -> dict:
     return state
 
 
-def check_compatible(ckpt: dict, cfg: Config, flag: str = "--resume") -> None:
-    """A checkpoint of another model or dataset cannot continue this run: say which flag differs."""
+def check_compatible(ckpt: dict, cfg: Config, global_batch_size: int, total_steps: int,
+                     flag: str = "--resume") -> None:
+    """Refuse, in one line naming the flag, a resume that would not continue the checkpoint's training; raise
+    RunFinished when there is nothing left to train. Called before anything is written."""
     saved = ckpt["config"]
     for name in MUST_MATCH:
         if name in saved and saved[name] != getattr(cfg, name):
             raise UsageError(flag, f"checkpoint was trained with --{name.replace('_', '-')} {saved[name]}, "
                                    f"this run has {getattr(cfg, name)}")
+    # The global batch fixes which samples each optimizer step averages (the sampler's order is per sample).
+    saved_global = saved["batch_size"] * saved["accumulate"] * ckpt["world_size"]
+    if global_batch_size != saved_global:
+        raise UsageError("--batch-size", f"global batch {global_batch_size} differs from the checkpoint's "
+                                         f"{saved_global} (batch x accumulate x world size): the steps after the "
+                                         "resume would average other samples", f"a global batch of {saved_global}")
+    micro_steps_done = ckpt.get("progress", {}).get("micro_steps_done", 0)
+    world_size = global_batch_size // (cfg.batch_size * cfg.accumulate)
+    if micro_steps_done and (cfg.batch_size * world_size, cfg.accumulate) != (
+            saved["batch_size"] * ckpt["world_size"], saved["accumulate"]):
+        raise UsageError("--batch-size", f"the checkpoint stopped mid-epoch after {micro_steps_done} micro-batches "
+                                         f"of {saved['batch_size']} x {ckpt['world_size']} ranks, accumulate "
+                                         f"{saved['accumulate']}; its place in the epoch is counted in those",
+                         f"--batch-size {saved['batch_size']} --accumulate {saved['accumulate']} at world size "
+                         f"{ckpt['world_size']}, or resume from an epoch's end")
+    for name in ("epochs", "max_steps"):
+        if cfg.schedule != "constant" and saved.get(name) != getattr(cfg, name):
+            raise UsageError(f"--{name.replace('_', '-')}", f"{getattr(cfg, name)} changes the length of the "
+                             f"{cfg.schedule} LR schedule the checkpoint follows ({saved.get(name)}): the LR of "
+                             "every later step would differ from the run's", f"{saved.get(name)}")
+    step = int(ckpt["step"])
+    if step > total_steps:
+        raise UsageError("--max-steps" if cfg.max_steps else "--epochs",
+                         f"this run ends after {total_steps} optimizer steps, before the checkpoint's "
+                                     f"step {step}", f"more than {step} steps (--epochs or --max-steps)")
+    if step == total_steps or ckpt["early_stopping"].get("should_stop"):
+        how = "stopped early" if ckpt["early_stopping"].get("should_stop") else f"all {total_steps} steps done"
+        raise RunFinished(f"nothing to do: the checkpoint's run is finished ({how}); its outputs are left as they "
+                          "are (raise --epochs or --max-steps to train on, with --schedule constant)")
 
 
 def build_checkpoint(*, model_state: dict, optimizer_state: dict, scheduler, amp, early_stopping, cfg: Config,

@@ -5,21 +5,35 @@ import os
 import sys
 from typing import Callable, Optional, Sequence
 
+from manual_train.checkpoint import RunFinished
 from manual_train.config import Config, UsageError, parse_config
+from manual_train.metrics import discard_unstarted_runs
 from manual_train.runtime import TrainingDiverged
 
 
 def run(train: Callable[[Config], dict], config_cls=Config, *, script: str, doc: Optional[str] = None,
         argv: Optional[Sequence[str]] = None, **defaults) -> int:
-    """Exit status: 0 done, 1 training diverged (last good checkpoint kept), 2 bad input, 130 Ctrl-C.
+    """Exit status: 0 done (or a resumed run that was already finished), 1 training diverged (last good
+    checkpoint kept), 2 bad input, 130 Ctrl-C. A run that fails before its first log row leaves no folder.
 
     Under torchrun every rank meets the same bad flag or the same all-reduced NaN: local rank 0 prints
-    the one line for its node, the other ranks exit with the same status silently.
+    the one line for its node, the other ranks exit with the same status silently. torchrun itself then
+    prints its ChildFailedError report (which names the worker's exit status 2) and exits 1 whatever its
+    workers returned; nothing a worker can do changes that short of faking success (exiting 0), and with
+    --max-restarts N it restarts the workers N times first. docs/what-happens-when.md says so for users.
     """
     report = int(os.environ.get("LOCAL_RANK", "0")) == 0
     try:
         cfg = parse_config(config_cls, argv, prog=f"{script}.py", description=doc, quiet=not report, **defaults)
-        train(cfg)
+        try:
+            train(cfg)
+        except BaseException:
+            discard_unstarted_runs()  # its folder would only block the next try ("already holds a run")
+            raise
+    except RunFinished as e:
+        if report:
+            print(e)
+        return 0
     except UsageError as e:
         if report:
             print(f"error: {e}", file=sys.stderr)

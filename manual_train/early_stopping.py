@@ -30,7 +30,7 @@ class EarlyStopping:
         if not math.isfinite(value):
             # A NaN never compares better, so patience would wait it out while training is broken.
             self.should_stop = True
-            self.reason = f"{self.monitor} is {value} at epoch {epoch}"
+            self.reason = f"{self.monitor} is {value} at epoch {epoch + 1}"
             return False
         if self.mode == "min":
             improved = value < self.best - self.min_delta
@@ -43,7 +43,7 @@ class EarlyStopping:
         if self.patience and self.wait >= self.patience:
             self.should_stop = True
             self.reason = (f"{self.monitor} did not improve by more than {self.min_delta:g} "
-                           f"for {self.wait} evaluations (best {self.best:.4f} at epoch {self.best_epoch})")
+                           f"for {self.wait} evaluations (best {self.best:.4f} at epoch {self.best_epoch + 1})")
         return False
 
     def state_dict(self) -> dict:

@@ -2,6 +2,9 @@
 
 `RunLog` does only I/O, and only where `enabled` (rank 0): the loops decide what to log and when,
 and pass plain Python numbers (already synced to the host at a log step).
+
+Epochs are counted from 1 in everything a user reads (console, metrics.csv, summary.json's best_epoch), as the
+console's "epoch 3/10" always did; the loops and checkpoints count completed epochs from 0 internally.
 """
 from __future__ import annotations
 
@@ -9,16 +12,41 @@ import csv
 import json
 import math
 import os
+import shutil
+import sys
 from pathlib import Path
 from typing import Optional
 
 from tqdm import tqdm
+
+from manual_train.checkpoint import remove_stale_temp_files
+from manual_train.config import UsageError
 
 CSV_COLUMNS = ("step", "epoch", "split", "loss", "acc", "lr", "samples_per_s", "time_s")
 SUMMARY_KEYS = ("script", "world_size", "device", "precision", "global_batch_size", "epochs_run",
                 "optimizer_steps", "samples_seen", "final_val_loss", "final_val_acc", "best_val_loss",
                 "best_val_acc", "best_epoch", "stopped_early", "skipped_steps", "wall_s", "samples_per_s",
                 "data_wait_fraction", "peak_mem_bytes", "checkpoint")
+
+
+# Folders whose metrics.csv this process created as a fresh run (RunLog), for discard_unstarted_runs.
+_claimed_here: list[Path] = []
+
+
+def discard_unstarted_runs() -> None:
+    """Remove the folders this process claimed whose metrics.csv is still only its header (the run failed
+    before its first log row: nothing to keep), so they do not block the next try as "already holds a run"."""
+    while _claimed_here:
+        out_dir = _claimed_here.pop()
+        metrics = out_dir / "metrics.csv"
+        try:
+            if len(metrics.read_text().splitlines()) <= 1 and not (out_dir / "last.pt").exists():
+                metrics.unlink()
+                if (out_dir / "tb").is_dir():
+                    shutil.rmtree(out_dir / "tb")
+                out_dir.rmdir()  # fails (and keeps the folder) if anything else is in it
+        except OSError:
+            pass
 
 
 class RunLog:
@@ -31,6 +59,7 @@ class RunLog:
         if not enabled:
             return
         self.out_dir.mkdir(parents=True, exist_ok=True)
+        remove_stale_temp_files(self.out_dir)  # half-written checkpoints of a killed run
         path = self.out_dir / "metrics.csv"
         kept = []
         if resume_step is not None and path.exists():
@@ -38,7 +67,16 @@ class RunLog:
             # crashed run logged after it (they are about to be recomputed).
             with open(path, newline="") as f:
                 kept = [row for row in csv.DictReader(f) if int(row["step"]) <= resume_step]
-        self._file = open(path, "w", newline="")
+            self._file = open(path, "w", newline="")
+        else:
+            # A fresh run claims the folder atomically: creating metrics.csv with O_EXCL fails when another run
+            # (started in the same instant, past the same "is it free" check) created it first.
+            try:
+                self._file = os.fdopen(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644), "w", newline="")
+            except FileExistsError:
+                raise UsageError("--out-dir", f"{out_dir} was just claimed by another run (nothing is overwritten)",
+                                 "a new --out-dir") from None
+            _claimed_here.append(self.out_dir)
         self._csv = csv.DictWriter(self._file, fieldnames=CSV_COLUMNS)
         self._csv.writeheader()
         self._csv.writerows(kept)
@@ -55,7 +93,7 @@ class RunLog:
             samples_per_s: float, time_s: float) -> None:
         if not self.enabled:
             return
-        self._csv.writerow(dict(step=step, epoch=epoch, split=split, loss=f"{loss:.8g}", acc=f"{acc:.6g}",
+        self._csv.writerow(dict(step=step, epoch=epoch + 1, split=split, loss=f"{loss:.8g}", acc=f"{acc:.6g}",
                                 lr=f"{lr:.8g}", samples_per_s=f"{samples_per_s:.2f}", time_s=f"{time_s:.3f}"))
         self._file.flush()
         if self.tb is not None:
@@ -70,13 +108,15 @@ class RunLog:
             return
         missing = [k for k in SUMMARY_KEYS if k not in summary]
         assert not missing, f"summary lacks {missing}"
-        tmp = self.out_dir / ".summary.json.tmp"
+        tmp = self.out_dir / f".summary.json.tmp-{os.getpid()}"
         tmp.write_text(json.dumps(_finite_or_none(summary), indent=2) + "\n")
         os.replace(tmp, self.out_dir / "summary.json")
 
     def close(self) -> None:
         if not self.enabled:
             return
+        if self.out_dir in _claimed_here:
+            _claimed_here.remove(self.out_dir)  # the run finished: its folder is its results
         self._file.close()
         if self.tb is not None:
             self.tb.close()
@@ -92,7 +132,7 @@ def run_summary(*, script: str, world_size: int, device, cfg, global_batch_size:
         "global_batch_size": global_batch_size, "epochs_run": epoch + 1, "optimizer_steps": step,
         "samples_seen": samples_seen, "final_val_loss": val_loss, "final_val_acc": val_acc,
         "best_val_loss": best.get("val_loss"), "best_val_acc": best.get("val_acc"),
-        "best_epoch": early.best_epoch, "stopped_early": early.should_stop, "stop_reason": early.reason,
+        "best_epoch": early.best_epoch + 1 if early.best_epoch >= 0 else None, "stopped_early": early.should_stop, "stop_reason": early.reason,
         "skipped_steps": amp.skipped_steps, "wall_s": wall_s, "samples_per_s": samples_this_run / wall_s,
         "data_wait_fraction": data_wait_s / wall_s, "peak_mem_bytes": peak_mem_bytes,
         "checkpoint": str(checkpoint), **extra,
@@ -112,13 +152,14 @@ def banner(log: RunLog, *, script: str, device, cfg, raw_model, train_ds, val_ds
               f"world size {world_size}; lr {lr:g} ({cfg.lr_scaling} scaling from base batch "
               f"{cfg.base_batch_size}); {total_steps} optimizer steps; num_workers {cfg.num_workers} "
               f"(suggested here: {suggest_num_workers(world_size)}); out {out_dir}"
-              + (f"; resuming {resumed_from} at epoch {start_epoch}, step {step}" if resumed_from else ""))
+              + (f"; resuming {resumed_from} at step {step}, in epoch {start_epoch + 1}" if resumed_from else ""))
 
 
 def progress_bar(total: int, initial: int, enabled: bool):
-    """A tqdm bar over optimizer steps; it appears only for runs longer than a couple of seconds."""
-    return tqdm(total=total, initial=initial, disable=not enabled, delay=2.0, unit="step", dynamic_ncols=True,
-                leave=False)
+    """A tqdm bar over optimizer steps; it appears only for runs longer than a couple of seconds, and only on a
+    terminal: into a log file its carriage-return redraws would interleave with the epoch lines."""
+    return tqdm(total=total, initial=initial, disable=not enabled or not sys.stderr.isatty(), delay=2.0,
+                unit="step", dynamic_ncols=True, leave=False)
 
 
 def _finite_or_none(obj):

@@ -81,12 +81,12 @@ def test_a_killed_worker_restarts_from_last_pt_and_ends_with_the_uninterrupted_w
                       launcher=torchrun(2, "--max-restarts", "1"), timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "exitcode: -9" in proc.stderr  # torchrun saw the SIGKILL ...
-    assert f"resuming {out / 'last.pt'} at epoch 1, step 47" in proc.stdout  # ... and the restart resumed
+    assert f"resuming {out / 'last.pt'} at step 47, in epoch 2" in proc.stdout  # ... and the restart resumed
     # Equal, not just close: the same samples in the same order from the same saved state (optimizer
     # momentum included, which only a load on every rank restores: DDP broadcasts weights, not the optimizer).
     assert max_param_diff(load_model_state(out), load_model_state(a)) == 0.0
     with open(out / "metrics.csv", newline="") as f:
         rows = list(csv.DictReader(f))
-    assert [int(r["epoch"]) for r in rows if r["split"] == "val"] == [0, 1]  # the lost steps 48-60 left no rows
+    assert [int(r["epoch"]) for r in rows if r["split"] == "val"] == [1, 2]  # the lost steps 48-60 left no rows
     train_steps = [int(r["step"]) for r in rows if r["split"] == "train"]
     assert train_steps == sorted(set(train_steps)) and train_steps[-1] == 94

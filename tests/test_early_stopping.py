@@ -68,7 +68,7 @@ def test_a_run_with_tiny_patience_stops_early_and_says_so(tmp_path):
     cfg = make_cfg(tmp_path, monitor="val_acc", early_stop_patience=1, early_stop_min_delta=0.9, epochs=5)
     summary = single.train(cfg)
     on_disk = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert on_disk["stopped_early"] is True and on_disk["best_epoch"] == 0 and on_disk["epochs_run"] == 2
+    assert on_disk["stopped_early"] is True and on_disk["best_epoch"] == 1 and on_disk["epochs_run"] == 2  # 1-based
     assert summary["optimizer_steps"] == 2 * 47
     assert (tmp_path / "run" / "best.pt").exists() and (tmp_path / "run" / "last.pt").exists()
 

@@ -516,7 +516,7 @@ def early_stopping(bench: Bench) -> Outcome:
         value_row(entry, base, var, "best val_loss, early minus fixed",
                   [e["best_val_loss"] - f["best_val_loss"] for e, f in zip(early, fixed)], claim=CLAIM_EARLY),
     ]
-    notes = [f"best epoch (1-based): early {early[0]['best_epoch'] + 1}, fixed {fixed[0]['best_epoch'] + 1}; both "
+    notes = [f"best epoch (1-based): early {early[0]['best_epoch']}, fixed {fixed[0]['best_epoch']}; both "
              f"runs share the LR schedule (cosine over {epochs} epochs), so the early run is a prefix of the "
              "fixed one."]
     return Outcome(rows, raw, notes)

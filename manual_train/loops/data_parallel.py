@@ -115,7 +115,7 @@ def train(cfg: Config) -> dict:
     resume = cfg.resume_path()
     ckpt = load_checkpoint(resume) if resume else None
     if ckpt:
-        check_compatible(ckpt, cfg)
+        check_compatible(ckpt, cfg, global_batch_size, total_steps)  # or exit: one line, nothing written
 
     torch.manual_seed(cfg.seed)  # right before building: the same --seed gives the same weights in every loop
     raw_model = build_model(cfg.model, info).to(param_dtype(cfg.precision))  # 64-true: fp32 init, upcast
@@ -149,11 +149,13 @@ def train(cfg: Config) -> dict:
            resumed_from=resume if ckpt else None, start_epoch=start_epoch, step=step)
     # >>> DP: say what the split is; on a host without CUDA nn.DataParallel is the plain module
     sizes = [len(c) for c in torch.arange(cfg.batch_size).chunk(len(devices))]
-    log.print(f"{cfg.impl} data parallel over {','.join(map(str, devices))}: each batch of {cfg.batch_size} "
-              f"splits into chunks of {sizes}; outputs gathered and loss computed on {device}")
     if cfg.impl == "torch" and not torch.cuda.is_available():
-        log.print("no CUDA here: nn.DataParallel ignores device_ids and calls the module directly (this run is "
-                  "the single-device baseline); --impl explicit splits the batch on CPU")
+        log.print(f"no CUDA here: nn.DataParallel ignores device_ids and calls the module directly, so each batch "
+                  f"of {cfg.batch_size} runs whole on {device} (the single-device baseline); --impl explicit "
+                  f"splits it into chunks of {sizes} on the CPU")
+    else:
+        log.print(f"{cfg.impl} data parallel over {','.join(map(str, devices))}: each batch of {cfg.batch_size} "
+                  f"splits into chunks of {sizes}; outputs gathered and loss computed on {device}")
     # <<< DP
 
     # ------------------------------------------------------------------ training loop

@@ -80,7 +80,8 @@ class DDPConfig(Config):
     backend: str = arg("auto", "process-group backend: auto = nccl for CUDA devices, gloo for the CPU",
                        choices=("auto", "nccl", "gloo"))
     dist_timeout_s: float = arg(1800.0, "seconds a collective waits for the other ranks before it fails "
-                                        "(torch's default is 30 min)", min=0, min_exclusive=True)
+                                        "(torch's default is 30 min; at most 1e7 s, about 115 days)",
+                                min=0, min_exclusive=True, max=1e7)
     sync_bn: bool = arg(False, "convert BatchNorm layers to SyncBatchNorm: statistics over the global batch "
                                "(CUDA only)")
     fail_at_step: Optional[int] = arg(None, "FOR TESTING: make --fail-rank fail once this many optimizer steps are "
@@ -178,7 +179,7 @@ def train_rank(cfg: DDPConfig, env: DistEnv, device: torch.device) -> dict:
     resume = cfg.resume_path()
     ckpt = load_checkpoint(resume) if resume else None
     if ckpt:
-        check_compatible(ckpt, cfg)
+        check_compatible(ckpt, cfg, global_batch_size, total_steps)  # or exit: one line, nothing written
 
     torch.manual_seed(cfg.seed)  # right before building: the same --seed gives the same weights in every loop
     raw_model = build_model(cfg.model, info).to(param_dtype(cfg.precision))  # 64-true: fp32 init, upcast

@@ -130,7 +130,7 @@ def train_rank(cfg: ZeroConfig, env: DistEnv, device: torch.device) -> dict:  # 
     resume = cfg.resume_path()
     ckpt = load_checkpoint(resume) if resume else None
     if ckpt:
-        check_compatible(ckpt, cfg)
+        check_compatible(ckpt, cfg, global_batch_size, total_steps)  # or exit: one line, nothing written
 
     torch.manual_seed(cfg.seed)  # right before building: the same --seed gives the same weights in every loop
     raw_model = build_model(cfg.model, info).to(param_dtype(cfg.precision))  # 64-true: fp32 init, upcast
