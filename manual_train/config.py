@@ -28,16 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Collection, Optional, Sequence
 
-
-class UsageError(Exception):
-    """A user error: printed as one `error: --flag: ...` line, exit status 2, no traceback."""
-
-    def __init__(self, flag: str, what: str, allowed: Optional[str] = None):
-        self.flag, self.what, self.allowed = flag, what, allowed
-        text = f"{flag}: {what}" if flag else what
-        if allowed:
-            text += f" (allowed: {allowed})"
-        super().__init__(text)
+from manual_train.errors import UsageError
 
 
 def arg(default, help: str, *, choices: Optional[Sequence] = None, min: Optional[float] = None,

@@ -8,7 +8,7 @@ Datasets (all real code paths, none needs the network unless --download is given
   reverse        digit sequences and their reversal (the seq2seq task for model parallelism)
 
 DataLoader tuning (docs/dataloader.md): `build_loader` exposes num_workers, pin_memory,
-persistent_workers, prefetch_factor and drop_last, and seeds workers with `seed_worker` so a run
+persistent_workers and prefetch_factor, and seeds workers with `seed_worker` so a run
 with workers is reproducible. Shuffling always goes through `train_sampler`, which is
 `DistributedSampler(seed=seed)` also at world size 1: that is what makes a single process with
 batch N*b see, step by step, the same samples as N DDP ranks with batch b.
@@ -20,7 +20,6 @@ import os
 import random
 import struct
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -28,18 +27,10 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset, TensorDataset
 
 from manual_train.config import Config, UsageError
+from manual_train.models import DataInfo, check_input_fits  # noqa: F401 (DataInfo re-exported)
 
 DIGITS_TRAIN = 1500  # 1797 = 1500 train + 297 val; 1500 divides by 2, 3, 4, 5 and 6 ranks
 DIGITS_SPLIT_KEY = 20240229  # a fixed key, independent of --seed, so the split never moves
-
-
-@dataclass
-class DataInfo:
-    """What a model needs to know about the data."""
-
-    name: str
-    input_shape: tuple  # per sample, e.g. (1, 8, 8); (2, L) token ids for reverse
-    num_classes: int  # classes, or vocabulary size for token tasks
 
 
 # ---------------------------------------------------------------------- datasets
@@ -229,7 +220,6 @@ def build_datasets(cfg: Config) -> tuple[Dataset, Dataset, DataInfo]:
     """(train, val, info) for cfg.dataset. Raises UsageError for missing or corrupt data, and for a --model that
     cannot run on the data's input shape (e.g. --synthetic-shape 1,1,1 with cnn)."""
     train, val, info = _datasets(cfg)
-    from manual_train.models import check_input_fits  # models imports DataInfo from here
 
     check_input_fits(cfg.model, info, "--synthetic-shape" if cfg.dataset == "synthetic" else "--model")
     return train, val, info
@@ -285,7 +275,7 @@ def seed_worker(worker_id: int) -> None:
 
 
 def build_loader(dataset: Dataset, cfg: Config, device: torch.device, *, batch_size: int,
-                 sampler=None, drop_last: bool = False) -> DataLoader:
+                 sampler=None) -> DataLoader:
     """A DataLoader with the tuning knobs from the CLI. Pinning defaults to on for CUDA devices.
 
     pin_memory only pays off with `.to(device, non_blocking=True)`: the copy from page-locked
@@ -299,7 +289,7 @@ def build_loader(dataset: Dataset, cfg: Config, device: torch.device, *, batch_s
                        prefetch_factor=cfg.prefetch_factor)
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, shuffle=False,
                       num_workers=cfg.num_workers, pin_memory=pin and device.type == "cuda",
-                      drop_last=drop_last, **workers)
+                      **workers)  # no drop_last: every sample counts (accumulation weights the last batch)
 
 
 def suggest_num_workers(local_world_size: int = 1) -> int:

@@ -132,7 +132,8 @@ def run_summary(*, script: str, world_size: int, device, cfg, global_batch_size:
         "global_batch_size": global_batch_size, "epochs_run": epoch + 1, "optimizer_steps": step,
         "samples_seen": samples_seen, "final_val_loss": val_loss, "final_val_acc": val_acc,
         "best_val_loss": best.get("val_loss"), "best_val_acc": best.get("val_acc"),
-        "best_epoch": early.best_epoch + 1 if early.best_epoch >= 0 else None, "stopped_early": early.should_stop, "stop_reason": early.reason,
+        "best_epoch": early.best_epoch + 1 if early.best_epoch >= 0 else None,  # 1-based, as the console
+        "stopped_early": early.should_stop, "stop_reason": early.reason,
         "skipped_steps": amp.skipped_steps, "wall_s": wall_s, "samples_per_s": samples_this_run / wall_s,
         "data_wait_fraction": data_wait_s / wall_s, "peak_mem_bytes": peak_mem_bytes,
         "checkpoint": str(checkpoint), **extra,
@@ -144,6 +145,7 @@ def banner(log: RunLog, *, script: str, device, cfg, raw_model, train_ds, val_ds
            step: int = 0) -> None:
     """The start banner: where it runs, in what precision, and the global batch it trains with."""
     from manual_train.data import suggest_num_workers
+    from manual_train.distributed import read_env
 
     n_params = sum(p.numel() for p in raw_model.parameters())
     log.print(f"{script}: device {device}, precision {cfg.precision}, model {cfg.model} ({n_params:,} params), "
@@ -151,7 +153,7 @@ def banner(log: RunLog, *, script: str, device, cfg, raw_model, train_ds, val_ds
     log.print(f"global batch {global_batch_size} = batch {cfg.batch_size} x accumulate {cfg.accumulate} x "
               f"world size {world_size}; lr {lr:g} ({cfg.lr_scaling} scaling from base batch "
               f"{cfg.base_batch_size}); {total_steps} optimizer steps; num_workers {cfg.num_workers} "
-              f"(suggested here: {suggest_num_workers(world_size)}); out {out_dir}"
+              f"(suggested here: {suggest_num_workers(read_env().local_world_size)}); out {out_dir}"
               + (f"; resuming {resumed_from} at step {step}, in epoch {start_epoch + 1}" if resumed_from else ""))
 
 

@@ -10,13 +10,22 @@ DataParallel change). `resnet18` keeps its BatchNorm layers: it is the model for
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from manual_train.config import UsageError
-from manual_train.data import DataInfo
+from manual_train.errors import UsageError
+
+
+@dataclass
+class DataInfo:
+    """What a model needs to know about the data."""
+
+    name: str
+    input_shape: tuple  # per sample, e.g. (1, 8, 8); (2, L) token ids for reverse
+    num_classes: int  # classes, or vocabulary size for token tasks
 
 
 class MLP(nn.Module):

@@ -70,8 +70,9 @@ def parse_devices(text: str, flag: str = "--devices", *, count: Optional[int] = 
     return [torch.device(n) for n in names]
 
 
-def cuda_list(n: int, start: int = 0) -> str:
-    return ",".join(f"cuda:{i}" for i in range(start, start + n))
+def cuda_list(n: int) -> str:
+    """The --devices text of the first n GPUs: cuda:0,...,cuda:n-1."""
+    return ",".join(f"cuda:{i}" for i in range(n))
 
 
 # ---------------------------------------------------------------------- data parallelism, written out

@@ -31,7 +31,7 @@ from contextlib import nullcontext
 import torch
 import torch.nn as nn
 
-from manual_train.config import Config, UsageError
+from manual_train.errors import UsageError
 
 
 def apex_amp_or_error():
@@ -143,7 +143,7 @@ class O2Forward(nn.Module):
 class Precision:
     """What --precision changes: the autocast context, the loss scaler and (O2) the master weights."""
 
-    def __init__(self, cfg: Config, device: torch.device):
+    def __init__(self, cfg, device: torch.device):  # cfg: manual_train.config.Config
         check_precision(cfg.precision, device)
         self.name, self.device = cfg.precision, device
         self.autocast_dtype = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}.get(cfg.precision)

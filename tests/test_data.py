@@ -135,3 +135,15 @@ def test_missing_data_root_is_a_usage_error_that_says_how_to_fix_it(tmp_path):
     with pytest.raises(UsageError) as e:
         data.build_datasets(cfg)
     assert e.value.flag == "--data-root" and "--download" in str(e.value)
+
+
+def test_the_banner_suggests_workers_from_the_ranks_on_this_node(monkeypatch, capsys, tmp_path):
+    """Several nodes: 2 ranks per node of 8 in all share this node's CPUs (2), not 8 (a bug once)."""
+    from conftest import make_cfg
+
+    from manual_train.loops import single
+
+    monkeypatch.setattr(data.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # as torchrun sets it on each node
+    single.train(make_cfg(tmp_path, model="mlp", max_steps=1))
+    assert "(suggested here: 7)" in capsys.readouterr().out  # 16 CPUs / 2 local ranks - 1
