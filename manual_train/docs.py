@@ -15,13 +15,20 @@ changes a line outside a marked block (the diff stays the lesson it claims to be
 
     python -m manual_train.docs           # rewrite docs/diffs/*.md
     python -m manual_train.docs --check   # exit 1 listing stale pages and unmarked lines
+    python -m manual_train.docs --stats   # the lesson budget: each loop's diff size, file and function lengths
+
+A lesson is small (docs/CONTRIBUTING-loops.md): --stats counts code lines (no blank lines, comments or
+docstrings) and compares them with BUDGET; tests/test_docs.py holds the tree to it.
 """
 from __future__ import annotations
 
 import argparse
+import ast
 import difflib
+import io
 import re
 import sys
+import tokenize
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -143,6 +150,109 @@ def render(loop: Loop, root: Path = REPO) -> str:
     return "\n".join(out).rstrip() + "\n"
 
 
+# ---------------------------------------------------------------------- the lesson budget (--stats)
+BUDGET = dict(
+    changed_code_lines=90,  # a parallel loop's added + removed code lines against its parent
+    tagged_share=0.80,  # of its added code lines, the share inside its own technique's markers
+    loop_file_lines=300,  # any loop file, every line counted
+    baseline_train_code_lines=120,  # single.py's train()
+    function_code_lines=60,  # any other function in manual_train/ (the loops' own train functions excepted)
+)
+TRAIN_FUNCTIONS = ("train", "train_rank")  # a loop's own training function(s), exempt from the function budget
+
+
+def code_line_numbers(text: str) -> set[int]:
+    """1-based numbers of the lines that hold code: not blank, not only a comment, not in a docstring."""
+    lines = set()
+    for tok in tokenize.generate_tokens(io.StringIO(text).readline):
+        if tok.type not in (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT,
+                            tokenize.ENDMARKER):
+            lines.update(range(tok.start[0], tok.end[0] + 1))
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) \
+                    and isinstance(first.value.value, str):
+                lines -= set(range(first.lineno, first.end_lineno + 1))
+    return lines
+
+
+def diff_stats(loop: Loop, root: Path = REPO) -> dict:
+    """Code lines the loop adds and removes against its base, and the share of the added ones marked with its tag."""
+    base, derived = loop_lines(loop.base, root), loop_lines(loop.name, root)
+    base_code = code_line_numbers("\n".join(base) + "\n")
+    derived_code = code_line_numbers("\n".join(derived) + "\n")
+    marked = marked_lines(derived, loop.tag)
+    added = removed = tagged = 0
+    for op, i1, i2, j1, j2 in difflib.SequenceMatcher(None, base, derived, autojunk=False).get_opcodes():
+        if op in ("replace", "insert"):
+            new = [j for j in range(j1, j2) if j + 1 in derived_code]
+            added += len(new)
+            tagged += sum(j in marked for j in new)
+        if op in ("replace", "delete"):
+            removed += sum(i + 1 in base_code for i in range(i1, i2))
+    return {"loop": loop.name, "base": loop.base, "added": added, "removed": removed,
+            "changed": added + removed, "tagged_share": tagged / added if added else 1.0,
+            "file_lines": len(derived)}
+
+
+def long_functions(root: Path = REPO) -> list[tuple[str, int]]:
+    """(module:function, code lines) of every function in manual_train/ over the budget, loops' train aside."""
+    found = []
+    for path in sorted((root / "manual_train").rglob("*.py")):
+        text = path.read_text()
+        code = code_line_numbers(text)
+        in_loops = path.parent.name == "loops"
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                if in_loops and node.name in TRAIN_FUNCTIONS:
+                    continue
+                n = len(code & set(range(node.lineno, node.end_lineno + 1)))
+                if n > BUDGET["function_code_lines"]:
+                    found.append((f"{path.relative_to(root)}:{node.name}", n))
+    return found
+
+
+def baseline_train_code_lines(root: Path = REPO) -> int:
+    text = (root / "manual_train" / "loops" / "single.py").read_text()
+    node = next(n for n in ast.parse(text).body if isinstance(n, ast.FunctionDef) and n.name == "train")
+    return len(code_line_numbers(text) & set(range(node.lineno, node.end_lineno + 1)))
+
+
+def over_budget(root: Path = REPO) -> list[str]:
+    """Every way the tree exceeds BUDGET, one line each (empty when the lessons are within it)."""
+    found = []
+    n = baseline_train_code_lines(root)
+    if n > BUDGET["baseline_train_code_lines"]:
+        found.append(f"loops/single.py train(): {n} code lines > {BUDGET['baseline_train_code_lines']}")
+    for loop in existing_loops(root):
+        st = diff_stats(loop, root)
+        if st["changed"] > BUDGET["changed_code_lines"]:
+            found.append(f"loops/{loop.name}.py: {st['changed']} changed code lines against {loop.base}.py "
+                         f"> {BUDGET['changed_code_lines']}")
+        if st["tagged_share"] < BUDGET["tagged_share"]:
+            found.append(f"loops/{loop.name}.py: {st['tagged_share']:.0%} of its added code lines are marked "
+                         f"{loop.tag} < {BUDGET['tagged_share']:.0%}")
+        if st["file_lines"] > BUDGET["loop_file_lines"]:
+            found.append(f"loops/{loop.name}.py: {st['file_lines']} lines > {BUDGET['loop_file_lines']}")
+    found += [f"{name}: {n} code lines > {BUDGET['function_code_lines']}" for name, n in long_functions(root)]
+    return found
+
+
+def stats_table(root: Path = REPO) -> str:
+    rows = ["| loop | parent | + code lines | - code lines | changed (budget 90) | marked with its tag | file lines |",
+            "|---|---|---|---|---|---|---|"]
+    for loop in existing_loops(root):
+        st = diff_stats(loop, root)
+        rows.append(f"| {loop.name} | {loop.base} | {st['added']} | {st['removed']} | {st['changed']} | "
+                    f"{st['tagged_share']:.0%} | {st['file_lines']} |")
+    rows.append(f"\nloops/single.py train(): {baseline_train_code_lines(root)} code lines "
+                f"(budget {BUDGET['baseline_train_code_lines']})")
+    over = over_budget(root)
+    rows.append("\nover budget:\n" + "\n".join(f"- {line}" for line in over) if over else "\nwithin budget")
+    return "\n".join(rows)
+
+
 def page_path(loop: Loop, root: Path = REPO) -> Path:
     return root / "docs" / "diffs" / f"{loop.name}.md"
 
@@ -167,7 +277,11 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m manual_train.docs", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check", action="store_true", help="only check; exit 1 on stale pages or unmarked lines")
+    parser.add_argument("--stats", action="store_true", help="print the lesson budget table (diff sizes, lengths)")
     args = parser.parse_args(argv)
+    if args.stats:
+        print(stats_table())
+        return 0
     if args.check:
         found = problems()
         print("\n".join(found) if found else "docs/diffs is up to date and every loop change is marked")

@@ -51,6 +51,36 @@ def test_the_checks_catch_an_unmarked_edit_and_a_stale_page(tmp_path):
     assert any("unmarked line" in f and "torch.set_num_threads(1)" in f for f in found)
 
 
+# ---------------------------------------------------------------------- the lesson budget
+def test_stats_count_code_lines_and_the_marked_share(tmp_path):
+    """--stats on a hand-made pair: docstrings, comments and blank lines are not code; marked lines count as the
+    technique's, an unmarked added line does not; a removed base line counts as removed."""
+    loops = tmp_path / "manual_train" / "loops"
+    loops.mkdir(parents=True)
+    (loops / "single.py").write_text('def train(cfg):\n    """Doc\n    string."""\n    x = 1\n    y = 2\n'
+                                     '    return x + y\n')
+    (loops / "ddp.py").write_text('def train(cfg):\n    """Doc\n    string."""\n    x = 1\n'
+                                  '    # >>> DDP: why\n    # more why\n    z = 3\n\n    w = 4\n    # <<< DDP\n'
+                                  '    v = 5\n    return x + y\n')
+    assert docs.code_line_numbers((loops / "single.py").read_text()) == {1, 4, 5, 6}
+    ddp = next(loop for loop in docs.LOOPS if loop.name == "ddp")
+    st = docs.diff_stats(ddp, tmp_path)
+    # added: z, w (marked) and v (unmarked); removed: y = 2
+    assert (st["added"], st["removed"], st["changed"]) == (3, 1, 4)
+    assert st["tagged_share"] == pytest.approx(2 / 3)
+
+
+@pytest.mark.xfail(strict=True, reason="issue 13 (lessons you can read in one sitting) is not done: the DDP, "
+                                       "hybrid and ZeRO loops and the baseline's train() are over budget; "
+                                       "remove this marker when they are within it (strict: an unexpected pass "
+                                       "fails, so the marker cannot outlive the work)")
+def test_every_lesson_is_within_its_budget():
+    """python -m manual_train.docs --stats: each parallel loop <= 90 changed code lines against its parent, >= 80%
+    of its added lines marked with its tag, no loop file over 300 lines, the baseline's train() <= 120 code lines,
+    no other function over 60."""
+    assert docs.over_budget() == []
+
+
 # ---------------------------------------------------------------------- --help of every entry point
 def run_help(target: str) -> str:
     """Execute a launch script (or `python -m` module) in-process with --help; return what it printed."""
