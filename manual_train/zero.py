@@ -133,6 +133,11 @@ def _constructor_kwargs(optimizer: torch.optim.Optimizer) -> dict:
     return {k: v for k, v in optimizer.defaults.items() if k in accepted}
 
 
+def _inputs_to_float64(module: nn.Module, args: tuple) -> tuple:
+    """64-true's input cast (precision.CastInputs) as a forward pre-hook: floating inputs to float64."""
+    return tuple(a.to(torch.float64) if torch.is_tensor(a) and a.is_floating_point() else a for a in args)
+
+
 def shard(raw_model: nn.Module, optimizer: torch.optim.Optimizer, impl: str, stage: int, device: torch.device,
           precision: str = "32-true", reduce_buffer_size: Optional[int] = None):
     """(model to call, optimizer to step) for ZeRO `stage` with `impl`, from the baseline's model and optimizer.
@@ -145,6 +150,10 @@ def shard(raw_model: nn.Module, optimizer: torch.optim.Optimizer, impl: str, sta
     optimizer_class, kwargs = type(optimizer), _constructor_kwargs(optimizer)
     params = list(optimizer.param_groups[0]["params"])
     device_ids = [device.index] if device.type == "cuda" else None
+    if precision == "64-true":
+        # The loop's amp.prepare put CastInputs (float64 inputs) around raw_model, but every wrapper below wraps
+        # raw_model itself: the cast moves into a pre-hook of raw_model, which each of them calls (also evaluation)
+        raw_model.register_forward_pre_hook(_inputs_to_float64)
     if impl == "torch" and stage == 1:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -256,10 +265,28 @@ def clip_grad_norm(model, optimizer, max_norm: float, impl: str, stage: int) -> 
     scales those; FSDP its own. torch stage 1: DDP left the full gradients on every rank, the baseline's
     clip_grad_norm_ works as is. FSDP2: the gradients are DTensors, whose norms are all-reduced by DTensor.
     """
+    if impl == "fairscale" and stage < 3 and optimizer.param_groups[0]["params"][0].dtype == torch.float64:
+        return _oss_clip_grad_norm(optimizer, max_norm)  # 64-true: OSS's own computes its norms in float32 only
     if impl == "fairscale":
         return optimizer.clip_grad_norm(max_norm) if stage < 3 else model.clip_grad_norm_(max_norm)
     params = [p for group in optimizer.param_groups for p in group["params"]]
     return torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+
+def _oss_clip_grad_norm(optimizer, max_norm: float) -> torch.Tensor:
+    """OSS.clip_grad_norm's algorithm in the gradients' own dtype (fairscale 0.4.13 passes dtype=torch.float32 to
+    every per-tensor norm, which float64 gradients refuse): each rank the norm over the gradients of the tensors it
+    owns, the squares all-reduced, then the same clip coefficient applied to its own tensors' gradients."""
+    local = [p for group in optimizer.optim.param_groups for p in group["params"] if p.grad is not None]
+    local_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad.detach()) for p in local]))
+    total_norm = local_norm ** 2
+    dist.all_reduce(total_norm)
+    total_norm = total_norm.sqrt()
+    clip_coef = max_norm / (total_norm + 1e-6)
+    if clip_coef < 1:
+        for p in local:
+            p.grad.detach().mul_(clip_coef)
+    return total_norm
 
 
 # ---------------------------------------------------------------------- evaluation

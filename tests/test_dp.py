@@ -1,8 +1,16 @@
 """Data parallelism in one process (launch/dp.py, manual_train/loops/data_parallel.py, manual_train/parallel.py).
 
-Parity: the explicit replicate/scatter/parallel_apply/gather over 2 and 3 CPU chunks trains the baseline's
-weights; nn.DataParallel on a host without CUDA is the plain module. Wrong variants show the checks can fail.
-Also: the teach-by-diff markers of all three single-process-parallel loops, bad input, the outputs contract.
+Parity, proven in 64-true (float64; docs/parity.md) within PARITY_TOL_64 = 1e-9 over two epochs of digits: the
+explicit replicate/scatter/parallel_apply/gather over 2 chunks (batch 32: 16 + 16, the last batch 28: 14 + 14; 94
+steps) and over 3 uneven chunks with accumulation (batch 14: 5 + 5 + 4, x accumulate 2; each epoch's last
+micro-batch has 2 samples, so 2 chunks over 3 devices, and its last window 16 samples; 108 steps) trains the
+baseline's weights; nn.DataParallel on a host without CUDA is the plain module (bitwise). The known-wrong variant,
+each chunk's mean loss averaged over the chunks (the short chunk's samples over-weighted), fails the same check by
+orders of magnitude. The fp32 pairing (mlp, 3 chunks, the same horizon) is held to a noise floor measured in the
+same test (conftest.fp32_noise_floor). Measured 2026-12-01 (2-core Xeon VM, AVX-512, torch 2.14.1): 64-true 2
+chunks 1.1e-16, 3 chunks 1.1e-16, wrong weights 5.3e-2; fp32 1.2e-7 against a floor of 2.3e-7, wrong weights 2.8e-2.
+Also: the gradient identities behind it (float64), the teach-by-diff markers of the single-process-parallel loops,
+bad input, the outputs contract.
 """
 from __future__ import annotations
 
@@ -12,7 +20,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from conftest import load_model_state, make_cfg, max_param_diff, needs_cuda, run_script, train_state
+from conftest import (FP32_MODEL, PARITY_TOL_64, assert_within_fp32_floor, fp32_noise_floor, load_model_state,
+                      make_cfg, max_param_diff, needs_cuda, run_script, train_state)
 from manual_train import parallel
 from manual_train.checkpoint import REQUIRED_KEYS
 from manual_train.cli import run as cli_run
@@ -23,34 +32,81 @@ from manual_train.metrics import CSV_COLUMNS, SUMMARY_KEYS
 from manual_train.models import SmallCNN, loss_fn
 
 CPU = torch.device("cpu")
-STEPS = dict(max_steps=6, log_every=2)
+STEPS = dict(max_steps=6, log_every=2)  # resume and GPU tests: a few steps
+PARITY = dict(epochs=2, precision="64-true", log_every=10)  # the proof: two epochs, float64
+CASES = {  # devices, batch size, accumulate
+    "2 chunks": ("cpu,cpu", 32, 1),  # 16 + 16; 1500 = 46 x 32 + 28: the last batch 14 + 14
+    "3 uneven chunks": ("cpu,cpu,cpu", 14, 2),  # 5 + 5 + 4; 1500 = 107 x 14 + 2: the last micro-batch 1 + 1 (two
+    # chunks for three devices), the last window 14 + 2 samples
+}
 
 
 @pytest.fixture(scope="module")
 def baselines(tmp_path_factory):
-    """The single-device loop's weights, per (batch size, accumulate), computed once per module."""
+    """The single-device loop's (weights, summary), per (batch size, accumulate, flags), computed once per module."""
     cache = {}
 
-    def get(batch_size, accumulate):
-        if (batch_size, accumulate) not in cache:
-            cache[batch_size, accumulate] = train_state(single, Config, tmp_path_factory.mktemp("single"), "s",
-                                                        batch_size=batch_size, accumulate=accumulate, **STEPS)
-        return cache[batch_size, accumulate]
+    def get(batch_size, accumulate, **flags):
+        key = (batch_size, accumulate, *sorted(flags.items()))
+        if key not in cache:
+            cache[key] = train_state(single, Config, tmp_path_factory.mktemp("single"), "s", batch_size=batch_size,
+                                     accumulate=accumulate, **flags)
+        return cache[key]
     return get
 
 
+def mean_of_chunk_means(n_chunks):
+    """The wrong combination: each chunk's mean loss, averaged over the chunks (tensor.chunk's sizes, as scatter's):
+    with uneven chunks the short chunk's samples weigh more than the others."""
+    def loss(logits, y):
+        pairs = list(zip(logits.chunk(n_chunks), y.chunk(n_chunks)))
+        return sum(loss_fn(lc, yc) for lc, yc in pairs) / len(pairs)
+    return loss
+
+
+def train_dp(tmp_path, name, devices, batch_size, accumulate, **flags):
+    return train_state(data_parallel, data_parallel.DPConfig, tmp_path, name, impl="explicit", devices=devices,
+                       batch_size=batch_size, accumulate=accumulate, **flags)
+
+
 # ---------------------------------------------------------------------- parity
-@pytest.mark.parametrize("devices,batch_size,accumulate", [
-    ("cpu,cpu", 32, 1),  # two chunks of 16
-    ("cpu,cpu,cpu", 10, 2),  # three unequal chunks (4, 4, 2), two micro-batches per step
-])
-def test_explicit_dp_equals_baseline(tmp_path, baselines, devices, batch_size, accumulate):
-    base, base_summary = baselines(batch_size, accumulate)
-    state, summary = train_state(data_parallel, data_parallel.DPConfig, tmp_path, "dp", impl="explicit",
-                                 devices=devices, batch_size=batch_size, accumulate=accumulate, **STEPS)
-    assert max_param_diff(base, state) < 1e-6
-    assert summary["final_val_loss"] == pytest.approx(base_summary["final_val_loss"], abs=1e-6)
+@pytest.mark.parametrize("case", list(CASES))
+def test_explicit_dp_equals_baseline(tmp_path, baselines, case):
+    """64-true, two epochs: within 1e-9 of the single-device loop (measured 1.1e-16 in both cases)."""
+    devices, batch_size, accumulate = CASES[case]
+    base, base_summary = baselines(batch_size, accumulate, **PARITY)
+    state, summary = train_dp(tmp_path, "dp", devices, batch_size, accumulate, **PARITY)
+    assert all(v.dtype == torch.float64 for v in state.values())
+    diff = max_param_diff(base, state)
+    assert diff <= PARITY_TOL_64, f"{case}: {diff:.3g}"
+    assert summary["optimizer_steps"] == base_summary["optimizer_steps"] == 2 * -(-1500 // (batch_size * accumulate))
+    assert summary["final_val_loss"] == pytest.approx(base_summary["final_val_loss"], rel=1e-9)
     assert summary["global_batch_size"] == batch_size * accumulate and summary["devices"] == devices.split(",")
+
+
+def test_wrong_chunk_weights_fail_the_same_check(tmp_path, baselines, monkeypatch):
+    """The chunks' mean losses averaged (5 + 5 + 4: each sample of the short chunk weighs 1/12, the others 1/15
+    instead of 1/14 each): far outside 1e-9."""
+    devices, batch_size, accumulate = CASES["3 uneven chunks"]
+    base, _ = baselines(batch_size, accumulate, **PARITY)
+    monkeypatch.setattr(data_parallel, "loss_fn", mean_of_chunk_means(3))
+    wrong, _ = train_dp(tmp_path, "wrong", devices, batch_size, accumulate, **PARITY)
+    assert max_param_diff(base, wrong) > 1e6 * PARITY_TOL_64  # measured 5.3e-2
+
+
+def test_fp32_explicit_dp_within_the_noise_floor_and_wrong_chunk_weights_are_not(tmp_path, baselines, monkeypatch):
+    """fp32 (mlp), 3 uneven chunks, two epochs: within 10 one-ulp drifts of the baseline; the wrong weights not."""
+    devices, batch_size, accumulate = CASES["3 uneven chunks"]
+    flags = dict(model=FP32_MODEL, epochs=2, log_every=10)
+    base, _ = baselines(batch_size, accumulate, **flags)
+    floor = fp32_noise_floor(lambda name: train_state(single, Config, tmp_path, name, batch_size=batch_size,
+                                                      accumulate=accumulate, **flags)[0], base)
+    state, _ = train_dp(tmp_path, "dp", devices, batch_size, accumulate, **flags)
+    assert_within_fp32_floor(max_param_diff(base, state), floor, "3 chunks vs one device")
+    monkeypatch.setattr(data_parallel, "loss_fn", mean_of_chunk_means(3))
+    wrong, _ = train_dp(tmp_path, "wrong", devices, batch_size, accumulate, **flags)
+    with pytest.raises(AssertionError):
+        assert_within_fp32_floor(max_param_diff(base, wrong), floor, "mean of chunk means vs one device")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the fallback exists only on hosts without CUDA")
@@ -61,15 +117,16 @@ def test_torch_dataparallel_on_cpu_is_the_module(tmp_path, baselines):
     x = torch.randn(5, 3)
     assert wrapped.device_ids == [] and wrapped.module is module
     assert torch.equal(wrapped(x), module(x))
-    base, _ = baselines(32, 1)
+    base, _ = baselines(32, 1, **PARITY)
     state, _ = train_state(data_parallel, data_parallel.DPConfig, tmp_path, "dp", impl="torch",
-                           devices="cpu,cpu", **STEPS)
-    assert max_param_diff(base, state) == 0.0  # the same computation, bit for bit
+                           devices="cpu,cpu", batch_size=32, **PARITY)
+    assert max_param_diff(base, state) == 0.0  # the same computation, bit for bit (also in fp32)
 
 
-def digits_batch(n):
+def digits_batch(n, dtype=torch.float64):
+    """The first n digits (images in float64 by default: the gradient checks below compare in float64)."""
     train, _ = load_digits_split()
-    return train.tensors[0][:n], train.tensors[1][:n]
+    return train.tensors[0][:n].to(dtype), train.tensors[1][:n]
 
 
 def grads_of(model):
@@ -84,7 +141,7 @@ def test_per_chunk_losses_need_weighting():
     outputs is exact, and so is weighting each chunk's mean by its share of the batch.
     """
     torch.manual_seed(0)
-    model = SmallCNN(1, 10)
+    model = SmallCNN(1, 10).double()  # float64: the identities hold to 1e-9 on any CPU
     x, y = digits_batch(10)
     devices = [CPU] * 3
 
@@ -104,9 +161,9 @@ def test_per_chunk_losses_need_weighting():
         return [loss_fn(model(xc), yc) for xc, yc in zip(x.chunk(3), y.chunk(3))]
 
     assert [len(c[0]) for c in parallel.scatter((x,), devices)] == [4, 4, 2]
-    assert (grad(gathered) - full).abs().max() < 1e-6
+    assert (grad(gathered) - full).abs().max() <= PARITY_TOL_64
     weighted = grad(lambda: sum(l * len(yc) / len(y) for l, yc in zip(chunk_losses(), y.chunk(3))))
-    assert (weighted - full).abs().max() < 1e-6
+    assert (weighted - full).abs().max() <= PARITY_TOL_64
     mean_of_means = grad(lambda: sum(chunk_losses()) / 3)
     assert (mean_of_means - full).abs().max() > 1e-3 * full.abs().max()
     sum_of_means = grad(lambda: sum(chunk_losses()))
@@ -116,11 +173,11 @@ def test_per_chunk_losses_need_weighting():
 def test_explicit_forward_with_fewer_samples_than_devices():
     """As DataParallel: a batch of 2 over 3 devices makes 2 chunks and uses 2 replicas; eval mode detaches."""
     torch.manual_seed(0)
-    model = SmallCNN(1, 10)
+    model = SmallCNN(1, 10).double()
     x, _ = digits_batch(2)
     explicit = parallel.ExplicitDataParallel(model, [CPU] * 3, CPU)
     assert len(parallel.scatter((x,), [CPU] * 3)) == 2
-    assert (explicit(x) - model(x)).abs().max() < 1e-6
+    assert (explicit(x) - model(x)).abs().max() <= PARITY_TOL_64
     with torch.no_grad():
         assert not explicit(x).requires_grad
 
@@ -173,7 +230,7 @@ def test_bad_input_is_one_line(tmp_path, capsys, argv, line):
 def test_script_bad_input_real_process(tmp_path):
     """The launch script itself: exit 2, one line on stderr, no traceback, nothing created."""
     out_dir = tmp_path / "never"
-    result = run_script("dp", "--devices", "cpu,cpu,gpu", "--out-dir", str(out_dir), timeout=120)
+    result = run_script("dp", "--devices", "cpu,cpu,gpu", "--out-dir", str(out_dir))
     assert result.returncode == 2
     assert result.stderr == "error: --devices: unknown device 'gpu' (allowed: cpu, cuda:N)\n"
     assert not out_dir.exists()
@@ -183,7 +240,7 @@ def test_script_bad_input_real_process(tmp_path):
 def test_script_writes_the_outputs_contract(tmp_path):
     out_dir = tmp_path / "run"
     result = run_script("dp", "--impl", "explicit", "--max-steps", "3", "--log-every", "1", "--no-progress",
-                        "--out-dir", str(out_dir), timeout=180)
+                        "--out-dir", str(out_dir))
     assert result.returncode == 0, result.stderr
     assert "splits into chunks of [16, 16]" in result.stdout  # defaults: digits, batch 32, cpu,cpu on this host
     rows = (out_dir / "metrics.csv").read_text().splitlines()
@@ -215,7 +272,7 @@ def test_gpu_explicit_forward_is_dataparallels():
     devices = [torch.device("cuda:0"), torch.device("cuda:1")]
     torch.manual_seed(0)
     model = SmallCNN(1, 10).to(devices[0])
-    x, y = digits_batch(32)
+    x, y = digits_batch(32, torch.float32)
     grads = []
     for wrapped in (nn.DataParallel(model, device_ids=devices),
                     parallel.ExplicitDataParallel(model, devices, devices[0])):

@@ -3,6 +3,15 @@
 dp-mp (one process, DataParallel inside each half) trains the baseline's weights, and each wrapper holds its
 own half (the source article wraps the encoder twice). ddp-mp under torchrun: 2 ranks with batch b train the
 weights of one process with batch 2b, and evaluate exactly. One torchrun launch in all.
+
+The parity proofs run in 64-true (float64; docs/parity.md) within PARITY_TOL_64 = 1e-9, over two epochs: dp-mp on
+test_mp.SEQ_PARITY's horizon (205 samples, 42 SGD steps, each epoch's last batch 5 = 3 + 2 over a group of two),
+ddp-mp on 260 samples x 2 epochs with accumulate 2 (each epoch's last window partial; 14 steps). Known-wrong
+variants fail the same checks: the article's wrapping (the decoder's wrapper not holding the model's decoder, which is
+then never trained) and, for ddp-mp, one process with the per-rank batch. The fp32 pairing (dp-mp explicit, the same
+horizon, seq2seq) is held to a noise floor measured in the same test. Measured 2026-12-01 (2-core Xeon VM, AVX-512,
+torch 2.14.1): dp-mp torch 0.0, explicit 4.4e-16, the article's wrapping 1.3; ddp-mp 2.2e-16, the per-rank batch
+0.32; fp32 explicit 2.4e-7 against a floor of 4.8e-7, the article's wrapping 1.3.
 """
 from __future__ import annotations
 
@@ -14,7 +23,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-from conftest import SEQ, cuda_devices, load_model_state, make_cfg, max_param_diff, run_script, train_state
+from conftest import (PARITY_TOL_64, SEQ, assert_within_fp32_floor, cuda_devices, fp32_noise_floor, load_model_state,
+                      make_cfg, max_param_diff, run_script, torchrun, train_state)
+from test_mp import SEQ_FP32, SEQ_PARITY
 from manual_train import parallel
 from manual_train.checkpoint import REQUIRED_KEYS
 from manual_train.cli import run as cli_run
@@ -55,29 +66,71 @@ def test_stage_hands_the_hidden_state_over_batch_first():
     """DataParallel gathers along dim 0; a GRU's hidden state is (1, B, H). Gathered raw, two chunks become
     (2, B/2, H): two "layers" of half a batch. EncoderStage hands it over as (B, 1, H) and the split is exact."""
     torch.manual_seed(0)
-    model = Seq2Seq(ReverseDigits.VOCAB)
+    model = Seq2Seq(ReverseDigits.VOCAB).double()  # float64: exact to 1e-9 on any CPU
     src = ReverseDigits(10, seed=3).x[:, 0]
     h = model.encoder(src)
     raw = parallel.ExplicitDataParallel(model.encoder, [CPU, CPU], CPU)(src)
     assert h.shape == (1, 10, 128) and raw.shape == (2, 5, 128)
     staged = parallel.ExplicitDataParallel(parallel.EncoderStage(model.encoder), [CPU, CPU], CPU)(src)
-    assert (staged.transpose(0, 1) - h).abs().max() < 1e-6
+    assert (staged.transpose(0, 1) - h).abs().max() <= PARITY_TOL_64
 
 
 @pytest.fixture(scope="module")
 def baseline(tmp_path_factory):
-    return train_state(single, Config, tmp_path_factory.mktemp("single"), "s", **SEQ)
+    """The single-device loop over the parity horizon, 64-true."""
+    return train_state(single, Config, tmp_path_factory.mktemp("single"), "s", **SEQ_PARITY)
+
+
+def train_dp_mp(tmp_path, name, impl, **flags):
+    return train_state(hybrid, hybrid.HybridConfig, tmp_path, name, mode="dp-mp", impl=impl,
+                       devices="cpu,cpu,cpu,cpu", **flags)
+
+
+real_hybrid_dp_mp = parallel.hybrid_dp_mp
+
+
+def articles_wrapping(model, group_a, group_b, impl="torch"):
+    """The article's `self.decoder = DataParallel(self.encoder, ...)` as a run: the decoder's wrapper does not hold the
+    model's decoder, so the model's decoder is never used or trained. (The article's exact line cannot run here: the
+    encoder takes other inputs than the decoder. A wrapper around a copy of the decoder keeps the mistake: the
+    optimizer steps the copy, and the model, the checkpoint's weights, keeps its initial decoder.)"""
+    split = real_hybrid_dp_mp(model, group_a, group_b, impl)
+    split.decoder = parallel.data_parallel(parallel.DecoderStage(copy.deepcopy(model.decoder)), group_b, group_b[0],
+                                           impl)
+    return split
 
 
 @pytest.mark.parametrize("impl", ["torch", "explicit"])
 def test_dp_mp_equals_baseline(tmp_path, baseline, impl):
-    """cpu,cpu | cpu,cpu: explicit splits each half's batch in two; torch is DataParallel's CPU fallback."""
+    """cpu,cpu | cpu,cpu: explicit splits each half's batch in two; torch is DataParallel's CPU fallback. 64-true,
+    two epochs, within 1e-9 (measured torch 0.0, explicit 4.4e-16)."""
     base, base_summary = baseline
-    state, summary = train_state(hybrid, hybrid.HybridConfig, tmp_path, "h", mode="dp-mp", impl=impl,
-                                 devices="cpu,cpu,cpu,cpu", **SEQ)
-    assert max_param_diff(base, state) < 1e-6
-    assert summary["final_val_loss"] == pytest.approx(base_summary["final_val_loss"], abs=1e-6)
+    state, summary = train_dp_mp(tmp_path, "h", impl, **SEQ_PARITY)
+    assert all(v.dtype == torch.float64 for v in state.values())
+    diff = max_param_diff(base, state)
+    assert diff <= PARITY_TOL_64, f"{impl}: {diff:.3g}"
+    assert summary["optimizer_steps"] == base_summary["optimizer_steps"] == 42
+    assert summary["final_val_loss"] == pytest.approx(base_summary["final_val_loss"], rel=1e-9)
     assert (summary["encoder_devices"], summary["decoder_devices"]) == (["cpu", "cpu"], ["cpu", "cpu"])
+
+
+def test_the_articles_wrapping_fails_the_same_check(tmp_path, baseline, monkeypatch):
+    """The loop with parallel.hybrid_dp_mp swapped for the article's wrapping: the model's decoder is never trained."""
+    monkeypatch.setattr(parallel, "hybrid_dp_mp", articles_wrapping)
+    wrong, _ = train_dp_mp(tmp_path, "wrong", "explicit", **SEQ_PARITY)
+    assert max_param_diff(baseline[0], wrong) > 1e6 * PARITY_TOL_64  # measured 1.3
+
+
+def test_fp32_dp_mp_within_the_noise_floor_and_the_articles_wrapping_is_not(tmp_path, monkeypatch):
+    """fp32 (seq2seq, explicit, two epochs): within 10 one-ulp drifts of the baseline; the article's wrapping not."""
+    base, _ = train_state(single, Config, tmp_path, "single", **SEQ_FP32)
+    floor = fp32_noise_floor(lambda name: train_state(single, Config, tmp_path, name, **SEQ_FP32)[0], base)
+    state, _ = train_dp_mp(tmp_path, "h", "explicit", **SEQ_FP32)
+    assert_within_fp32_floor(max_param_diff(base, state), floor, "dp-mp explicit vs one device")
+    monkeypatch.setattr(parallel, "hybrid_dp_mp", articles_wrapping)
+    wrong, _ = train_dp_mp(tmp_path, "wrong", "explicit", **SEQ_FP32)
+    with pytest.raises(AssertionError):
+        assert_within_fp32_floor(max_param_diff(base, wrong), floor, "the article's wrapping vs one device")
 
 
 def test_resume_continues_exactly(tmp_path):
@@ -91,24 +144,28 @@ def test_resume_continues_exactly(tmp_path):
 
 # ---------------------------------------------------------------------- ddp-mp under torchrun
 def test_ddp_mp_two_ranks_equal_one_process_with_twice_the_batch(tmp_path):
-    """2 ranks x batch 10 x accumulate 2 (no_sync on the first micro-step) == 1 process x batch 20 x accumulate 2,
-    over a whole epoch with a partial last window. 65 validation samples split 33/32: the all-reduced sums give
-    the single process's val loss and accuracy (a padded sampler would count one sample twice)."""
-    common = dict(SEQ, synthetic_size=260, epochs=1, max_steps=None, accumulate=2)
+    """2 ranks x batch 10 x accumulate 2 (no_sync on the first micro-step) == 1 process x batch 20 x accumulate 2, in
+    64-true over two epochs, each with a partial last window (130 samples per rank: 13 micro-batches, 7 windows).
+    65 validation samples split 33/32: the all-reduced sums give the single process's val loss and accuracy (a
+    padded sampler would count one sample twice). The wrong pairing, one process with the per-rank batch, fails."""
+    common = dict(SEQ, synthetic_size=260, epochs=2, max_steps=None, accumulate=2, precision="64-true")
     out_dir = tmp_path / "ddp"
     argv = [f"--{k.replace('_', '-')}={v}" for k, v in common.items() if k not in ("max_steps", "batch_size")]
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     result = run_script("hybrid", "--mode", "ddp-mp", "--batch-size", "10", "--no-progress", "--out-dir",
-                        str(out_dir), *argv, launcher=launcher, timeout=240)
+                        str(out_dir), *argv, launcher=torchrun(2))
     assert result.returncode == 0, result.stderr[-3000:]
     ref, ref_summary = train_state(single, Config, tmp_path, "single", **dict(common, batch_size=20))
-    assert max_param_diff(ref, load_model_state(out_dir)) < 1e-6
+    ranks = load_model_state(out_dir)
+    assert all(v.dtype == torch.float64 for v in ranks.values())
+    assert max_param_diff(ref, ranks) <= PARITY_TOL_64  # measured 2.2e-16
+    wrong, _ = train_state(single, Config, tmp_path, "wrong", **dict(common, batch_size=10))
+    assert max_param_diff(wrong, ranks) > 1e6 * PARITY_TOL_64  # measured 0.32
     summary = json.loads((out_dir / "summary.json").read_text())
     assert summary["final_val_acc"] == ref_summary["final_val_acc"]
-    assert summary["final_val_loss"] == pytest.approx(ref_summary["final_val_loss"], abs=1e-6)
+    assert summary["final_val_loss"] == pytest.approx(ref_summary["final_val_loss"], rel=1e-9)
     for key in ("global_batch_size", "optimizer_steps", "samples_seen"):
         assert summary[key] == ref_summary[key], key
-    assert (summary["world_size"], summary["mode"]) == (2, "ddp-mp")
+    assert (summary["world_size"], summary["mode"], summary["optimizer_steps"]) == (2, "ddp-mp", 14)
     # the outputs contract, written by rank 0 alone
     assert result.stdout.count("done: ") == 1
     assert set(SUMMARY_KEYS) <= summary.keys()

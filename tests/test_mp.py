@@ -1,8 +1,15 @@
 """Model parallelism (launch/mp.py, manual_train/loops/model_parallel.py, parallel.split_encoder_decoder).
 
-Parity with `--devices cpu,cpu`: the split model computes the one-device model's outputs and gradients,
-with and without micro-batches, and its loop trains the baseline's weights. The fill-drain schedule and
-its bubble arithmetic are checked against each other.
+Parity with `--devices cpu,cpu`, proven in 64-true (float64; docs/parity.md) within PARITY_TOL_64 = 1e-9: the split
+model computes the one-device model's outputs and gradients, with and without micro-batches, and its loop trains the
+baseline's weights over two epochs of the reverse task (SEQ_PARITY: conftest.SEQ's settings, 205 samples so that
+each epoch ends in a batch of 5, cut into micro-batches 2 + 2 + 1; 42 SGD steps). Two epochs instead of SEQ's 6
+steps because they are cheap (a run takes about 1 s here, in float64 as in fp32) and cross an epoch boundary and a
+partial batch. The known-wrong variant, the micro-batches' mean losses averaged (4 + 4 + 2: the short micro-batch's
+samples over-weighted), fails the same check. The fp32 pairing (seq2seq, M = 3, the same horizon) is held to a noise
+floor measured in the same test (conftest.fp32_noise_floor). Measured 2026-12-01 (2-core Xeon VM, AVX-512, torch
+2.14.1): 64-true M = 1 0.0, M = 3 4.4e-16, the wrong weighting 8.4e-2; fp32 M = 3 2.4e-7 against a floor of 4.8e-7,
+the wrong weighting 8.4e-2. The fill-drain schedule and its bubble arithmetic are checked against each other.
 """
 from __future__ import annotations
 
@@ -12,7 +19,8 @@ import json
 import pytest
 import torch
 
-from conftest import SEQ, cuda_devices, load_model_state, make_cfg, max_param_diff, run_script, train_state
+from conftest import (FP32_MODEL, PARITY_TOL_64, SEQ, assert_within_fp32_floor, cuda_devices, fp32_noise_floor,
+                      load_model_state, make_cfg, max_param_diff, run_script, train_state)
 from manual_train import parallel
 from manual_train.cli import run as cli_run
 from manual_train.config import Config
@@ -22,6 +30,20 @@ from manual_train.metrics import CSV_COLUMNS, SUMMARY_KEYS
 from manual_train.models import Seq2Seq, loss_fn
 
 CPU = torch.device("cpu")
+# The parity horizon: SEQ's model, task, optimizer and batch, for two epochs of 205 samples (20 batches of 10 and one
+# of 5 an epoch: 42 steps; 51 validation samples), in 64-true. test_hybrid.py uses it too.
+SEQ_PARITY = dict(SEQ, synthetic_size=205, max_steps=None, epochs=2, log_every=7, precision="64-true")
+SEQ_FP32 = dict(SEQ_PARITY, precision="32-true")  # the fp32 pairing: the same run in fp32 (FP32_MODEL is for images)
+assert FP32_MODEL != SEQ["model"]  # (the seq2seq tests keep their model in fp32)
+
+
+def mean_of_chunk_means(n_chunks):
+    """The wrong combination: each micro-batch's mean loss, averaged over the micro-batches (tensor.chunk's sizes,
+    the pipeline's): with uneven micro-batches the short one's samples weigh more than the others."""
+    def loss(logits, y):
+        pairs = list(zip(logits.chunk(n_chunks), y.chunk(n_chunks)))
+        return sum(loss_fn(lc, yc) for lc, yc in pairs) / len(pairs)
+    return loss
 
 
 def batch(n=10):
@@ -43,24 +65,25 @@ def max_diff(a: dict, b: dict) -> float:
 # ---------------------------------------------------------------------- the split module
 @pytest.mark.parametrize("microbatches", [1, 3])
 def test_split_equals_one_device(microbatches):
-    """Outputs and gradients of the split model (cpu,cpu) equal the model's own, micro-batched (4, 4, 2) or not."""
+    """Outputs and gradients of the split model (cpu,cpu) equal the model's own, micro-batched (4, 4, 2) or not
+    (float64: within 1e-9 on any CPU)."""
     torch.manual_seed(0)
-    model = Seq2Seq(ReverseDigits.VOCAB)
+    model = Seq2Seq(ReverseDigits.VOCAB).double()
     reference = copy.deepcopy(model)
     x, y = batch(10)
     split = parallel.split_encoder_decoder(model, [CPU, CPU], microbatches)
     assert split.encoder is model.encoder and split.decoder is model.decoder  # no copies: the model's own weights
     out, grads = outputs_and_grads(model, split, x, y)
     ref_out, ref_grads = outputs_and_grads(reference, reference, x, y)
-    assert (out - ref_out).abs().max() < 1e-6
-    assert max_diff(grads, ref_grads) < 1e-6
+    assert (out - ref_out).abs().max() <= PARITY_TOL_64
+    assert max_diff(grads, ref_grads) <= PARITY_TOL_64
 
 
 def test_microbatch_losses_need_weighting():
     """Why the pipeline concatenates the micro-batches' logits before one loss: averaging the micro-batches'
     mean losses (tensor.chunk's sizes 4, 4, 2) gives another gradient; weighting each by its share does not."""
     torch.manual_seed(0)
-    model = Seq2Seq(ReverseDigits.VOCAB)
+    model = Seq2Seq(ReverseDigits.VOCAB).double()  # float64: the identity holds to 1e-9 on any CPU
     x, y = batch(10)
     _, full = outputs_and_grads(model, model, x, y)
 
@@ -69,7 +92,7 @@ def test_microbatch_losses_need_weighting():
         sum(w * loss_fn(model(xc), yc) for w, xc, yc in zip(weights, x.chunk(3), y.chunk(3))).backward()
         return {n: p.grad.clone() for n, p in model.named_parameters()}
 
-    assert max_diff(grads([4 / 10, 4 / 10, 2 / 10]), full) < 1e-6
+    assert max_diff(grads([4 / 10, 4 / 10, 2 / 10]), full) <= PARITY_TOL_64
     assert max_diff(grads([1 / 3] * 3), full) > 1e-4
 
 
@@ -101,17 +124,46 @@ def test_forward_issues_the_schedule():
 # ---------------------------------------------------------------------- the loop
 @pytest.fixture(scope="module")
 def baseline(tmp_path_factory):
-    return train_state(single, Config, tmp_path_factory.mktemp("single"), "s", **SEQ)
+    """The single-device loop over the parity horizon, 64-true."""
+    return train_state(single, Config, tmp_path_factory.mktemp("single"), "s", **SEQ_PARITY)
+
+
+def train_mp(tmp_path, name, microbatches, **flags):
+    return train_state(model_parallel, model_parallel.MPConfig, tmp_path, name, devices="cpu,cpu",
+                       microbatches=microbatches, **flags)
 
 
 @pytest.mark.parametrize("microbatches", [1, 3])
 def test_mp_loop_equals_baseline(tmp_path, baseline, microbatches):
+    """64-true, two epochs: within 1e-9 of the single-device loop (measured: M = 1 0.0, M = 3 4.4e-16)."""
     base, base_summary = baseline
-    state, summary = train_state(model_parallel, model_parallel.MPConfig, tmp_path, "mp", devices="cpu,cpu",
-                                 microbatches=microbatches, **SEQ)
-    assert max_param_diff(base, state) < 1e-6
-    assert summary["final_val_loss"] == pytest.approx(base_summary["final_val_loss"], abs=1e-6)
+    state, summary = train_mp(tmp_path, "mp", microbatches, **SEQ_PARITY)
+    assert all(v.dtype == torch.float64 for v in state.values())
+    diff = max_param_diff(base, state)
+    assert diff <= PARITY_TOL_64, f"M = {microbatches}: {diff:.3g}"
+    assert summary["optimizer_steps"] == base_summary["optimizer_steps"] == 42
+    assert summary["final_val_loss"] == pytest.approx(base_summary["final_val_loss"], rel=1e-9)
     assert summary["bubble_fraction"] == pytest.approx(1 / (microbatches + 1))
+
+
+def test_averaged_microbatch_losses_fail_the_same_check(tmp_path, baseline, monkeypatch):
+    """The micro-batches' mean losses averaged (4 + 4 + 2: the 2-sample micro-batch's samples weigh 1/6 instead of
+    1/10): far outside 1e-9."""
+    monkeypatch.setattr(model_parallel, "loss_fn", mean_of_chunk_means(3))
+    wrong, _ = train_mp(tmp_path, "wrong", 3, **SEQ_PARITY)
+    assert max_param_diff(baseline[0], wrong) > 1e6 * PARITY_TOL_64  # measured 8.4e-2
+
+
+def test_fp32_mp_within_the_noise_floor_and_averaged_microbatch_losses_are_not(tmp_path, monkeypatch):
+    """fp32 (seq2seq, M = 3, two epochs): within 10 one-ulp drifts of the baseline; the wrong weighting is not."""
+    base, _ = train_state(single, Config, tmp_path, "single", **SEQ_FP32)
+    floor = fp32_noise_floor(lambda name: train_state(single, Config, tmp_path, name, **SEQ_FP32)[0], base)
+    state, _ = train_mp(tmp_path, "mp", 3, **SEQ_FP32)
+    assert_within_fp32_floor(max_param_diff(base, state), floor, "split, M = 3, vs one device")
+    monkeypatch.setattr(model_parallel, "loss_fn", mean_of_chunk_means(3))
+    wrong, _ = train_mp(tmp_path, "wrong", 3, **SEQ_FP32)
+    with pytest.raises(AssertionError):
+        assert_within_fp32_floor(max_param_diff(base, wrong), floor, "averaged micro-batch losses vs one device")
 
 
 def test_resume_continues_exactly(tmp_path):
@@ -154,7 +206,7 @@ def test_script_defaults_and_outputs(tmp_path):
     """launch/mp.py defaults to the reverse task (adamw) and writes the outputs contract."""
     out_dir = tmp_path / "run"
     result = run_script("mp", "--synthetic-size", "64", "--microbatches", "2", "--max-steps", "2", "--no-progress",
-                        "--out-dir", str(out_dir), timeout=180)
+                        "--out-dir", str(out_dir))
     assert result.returncode == 0, result.stderr
     assert "encoder on cpu, decoder on cpu; 2 micro-batch(es) of [16, 16]" in result.stdout
     assert (out_dir / "metrics.csv").read_text().splitlines()[0].split(",") == list(CSV_COLUMNS)
