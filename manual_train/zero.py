@@ -98,7 +98,7 @@ def check_zero(impl: str, stage: int, precision: str, on_cuda: bool, reduce_buff
         raise UsageError("--reduce-buffer-size", "is ShardedDataParallel's, used by --impl fairscale --stage 2 only")
 
 
-def shards_gradients(impl: str, stage: int) -> bool:
+def shards_gradients(stage: int) -> bool:
     """After backward a rank holds only (or only correctly) its own shard of the gradients."""
     return stage >= 2
 
@@ -217,7 +217,7 @@ def shard_aware_scaler(scaler, impl: str, stage: int, device: torch.device, grow
     A plain GradScaler inspects this rank's .grad only; with sharded gradients one rank could skip a step the
     others take. ShardedGradScaler all-reduces found_inf: torch's on any device, fairscale's on CUDA only.
     """
-    if not scaler.is_enabled() or not shards_gradients(impl, stage):
+    if not scaler.is_enabled() or not shards_gradients(stage):
         return scaler
     kwargs = dict(init_scale=scaler.get_scale(), growth_interval=growth_interval)
     if impl == "torch":

@@ -360,9 +360,10 @@ def train_rank(cfg: ZeroConfig, env: DistEnv, device: torch.device) -> dict:  # 
     # to rank 0, next to the paper's formulas for these dtypes (the parameters' dtype: autocast keeps fp32 weights)
     per_rank = [None] * env.world_size
     dist.all_gather_object(per_rank, per_rank_bytes(model, optimizer))
-    # fp32 parameters and gradients in every precision allowed here: autocast and FSDP's mixed precision compute
-    # in 16 bits from fp32 weights (the paper's 2 + 2 bytes are O2-style fp16 weights, refused by check_zero)
-    per_param = dict(param_bytes=4, grad_bytes=4, state_bytes=state_bytes_per_param(cfg.optimizer))
+    # the weights' dtype: fp32 in every precision but 64-true (autocast and FSDP's mixed precision compute in 16
+    # bits from fp32 weights; the paper's 2 + 2 bytes are O2-style fp16 weights, refused by check_zero)
+    nbytes = torch.empty((), dtype=param_dtype(cfg.precision)).element_size()
+    per_param = dict(param_bytes=nbytes, grad_bytes=nbytes, state_bytes=state_bytes_per_param(cfg.optimizer, nbytes))
     formula = zero_formula_bytes(psi, env.world_size, cfg.stage, **per_param)
     formula_ddp = zero_formula_bytes(psi, env.world_size, 0, **per_param)
     # <<< ZERO
