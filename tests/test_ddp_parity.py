@@ -31,6 +31,7 @@ import pytest
 import torch
 from conftest import (FP32_MODEL, PARITY_TOL_64, assert_within_fp32_floor, fp32_noise_floor, load_model_state,
                       make_cfg, max_param_diff)
+from faults import inject
 from jobs import run_job
 
 from manual_train import data
@@ -82,13 +83,17 @@ def _scenario_early_stop(world_size: int, out: Path) -> dict:
 
 
 def _scenario_nan(world_size: int, out: Path) -> dict:
-    """The last rank gets a NaN batch after 3 steps; the loss is logged (all-reduced) every 5 steps."""
+    """The last rank gets a NaN loss after 3 steps (tests/faults.py); the loss is logged (all-reduced) every 5."""
     cfg = make_cfg(out, ddp.DDPConfig, batch_size=GLOBAL_BATCH // world_size, max_steps=20, log_every=5,
-                   fail_at_step=3, fail_rank=world_size - 1, fail_mode="nan", dist_timeout_s=120)
+                   dist_timeout_s=120)
+    real_loss_fn = ddp.loss_fn
+    inject(ddp, at_step=3, rank=world_size - 1, mode="nan")
     try:
         ddp.train(cfg)
     except ddp.TrainingDiverged as e:  # on every rank, from the same all-reduced number
         return {"raised": "TrainingDiverged", "message": str(e)}
+    finally:
+        ddp.loss_fn = real_loss_fn
     return {"raised": None}
 
 

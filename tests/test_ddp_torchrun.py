@@ -15,6 +15,7 @@ from conftest import PARITY_TOL_64, load_model_state, max_param_diff, run_script
 from manual_train.cli import run
 from manual_train.loops import single
 
+FAULTY = "tests/faulty_ddp"  # launch/ddp.py with --fail-at-step/--fail-rank/--fail-mode (tests/faults.py)
 PRECISION = ("--precision", "64-true")  # the parity pair's proof holds on any CPU (tests/test_any_cpu.py)
 
 
@@ -59,10 +60,10 @@ def test_bad_input_under_torchrun_is_one_line_from_rank_0(tmp_path):
 
 
 def test_an_exception_on_one_rank_ends_the_whole_job_promptly(tmp_path):
-    # The collective timeout (600 s) is far above this test's limit (120 s): ending in time means the failure
-    # ended the job (torchrun saw a worker exit and stopped the others), not a timeout.
-    proc = run_script("ddp", "--fail-at-step", "5", "--fail-rank", "1", "--dist-timeout-s", "600", "--max-steps",
-                      "40", "--out-dir", str(tmp_path / "run"), "--no-progress", launcher=torchrun(2), timeout=120)
+    # The collective timeout (1800 s) is far above this test's limit (SUBPROCESS_TIMEOUT_S, 900 s): ending in time
+    # means the failure ended the job (torchrun saw a worker exit and stopped the others), not a timeout.
+    proc = run_script(FAULTY, "--fail-at-step", "5", "--fail-rank", "1", "--dist-timeout-s", "1800", "--max-steps",
+                      "40", "--out-dir", str(tmp_path / "run"), "--no-progress", launcher=torchrun(2))
     assert proc.returncode != 0
     assert "RuntimeError: injected failure on rank 1 after 5 optimizer steps (--fail-at-step)" in proc.stderr
     assert "ChildFailedError" in proc.stderr
@@ -75,7 +76,7 @@ def test_a_killed_worker_restarts_from_last_pt_and_ends_with_the_uninterrupted_w
     restarts the group once, every rank loads last.pt, and the run ends where the uninterrupted one did."""
     a, _ = uninterrupted
     out = tmp_path / "X"
-    proc = run_script("ddp", "--batch-size", "16", "--epochs", "2", *PRECISION, "--out-dir", str(out),
+    proc = run_script(FAULTY, "--batch-size", "16", "--epochs", "2", *PRECISION, "--out-dir", str(out),
                       "--resume", "auto", "--fail-at-step", "60", "--fail-rank", "1", "--fail-mode", "kill",
                       "--no-progress",
                       launcher=torchrun(2, "--max-restarts", "1"), timeout=240)

@@ -37,12 +37,9 @@ the baseline's global batch of 32 and its learning rate and schedule (docs/ddp.m
 from __future__ import annotations
 
 import math
-# >>> DDP: the process group, the wrapper, the --sync-bn conversion and the test-only fault injection
-import os
-import signal
+# >>> DDP: the process group, the wrapper and the --sync-bn conversion
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Optional
 # <<< DDP
 import time
 
@@ -84,11 +81,6 @@ class DDPConfig(Config):
                                 min=0, min_exclusive=True, max=1e7)
     sync_bn: bool = arg(False, "convert BatchNorm layers to SyncBatchNorm: statistics over the global batch "
                                "(CUDA only)")
-    fail_at_step: Optional[int] = arg(None, "FOR TESTING: make --fail-rank fail once this many optimizer steps are "
-                                            "done (on torchrun's first attempt only, so a restart recovers)", min=0)
-    fail_rank: int = arg(0, "FOR TESTING: the rank that fails at --fail-at-step", min=0)
-    fail_mode: str = arg("raise", "FOR TESTING: how --fail-rank fails: raise an exception, kill itself with "
-                                  "SIGKILL (no cleanup), or get a NaN batch", choices=("raise", "kill", "nan"))
 
     def validate(self) -> None:
         super().validate()
@@ -109,14 +101,6 @@ class DDPConfig(Config):
                 raise UsageError("--nproc_per_node", f"{env.local_world_size} ranks on this node but only "
                                                      f"{torch.cuda.device_count()} CUDA device(s)",
                                  f"at most {torch.cuda.device_count()}, or --device cpu")
-        if self.fail_rank and self.fail_at_step is None:
-            raise UsageError("--fail-rank", "needs --fail-at-step (test-only fault injection)")
-        if self.fail_rank >= env.world_size:
-            raise UsageError("--fail-rank", f"rank {self.fail_rank} does not exist in a world of {env.world_size}",
-                             f"0..{env.world_size - 1}")
-        if self.fail_mode == "nan" and self.dataset == "reverse":
-            raise UsageError("--fail-mode", "nan poisons float inputs; --dataset reverse feeds token ids",
-                             "raise, kill")
 
 
 # The baseline's per-process defaults train well at world size 1. Under DDP --batch-size is per rank, so the
@@ -124,22 +108,6 @@ class DDPConfig(Config):
 # with it the baseline's learning rate and schedule unchanged: the same samples at every step as the baseline
 # (0.9798 val acc after 10 epochs, as it; 4 x 32 at lr 0.05 reaches 0.8586, and 0.9731 with linear LR scaling).
 DEFAULTS = dict(batch_size=8)
-
-
-def inject_fault(cfg: DDPConfig, env: DistEnv, step: int, x: torch.Tensor) -> torch.Tensor:
-    """Test-only: rank --fail-rank fails once --fail-at-step optimizer steps are done; else x unchanged.
-
-    Only on torchrun's first attempt (TORCHELASTIC_RESTART_COUNT 0, or plain python): the group that torchrun
-    restarts after it (--max-restarts) runs clean, which is what a transient fault (a lost node) looks like.
-    """
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-    if cfg.fail_at_step is None or step != cfg.fail_at_step or env.rank != cfg.fail_rank or attempt:
-        return x
-    if cfg.fail_mode == "kill":
-        os.kill(os.getpid(), signal.SIGKILL)  # a hard crash: no exception, no finally, no destroy_process_group
-    if cfg.fail_mode == "nan":
-        return torch.full_like(x, math.nan)  # a corrupt batch: a NaN loss on this rank alone
-    raise RuntimeError(f"injected failure on rank {env.rank} after {step} optimizer steps (--fail-at-step)")
 # <<< DDP
 
 
@@ -257,7 +225,6 @@ def train_rank(cfg: DDPConfig, env: DistEnv, device: torch.device) -> dict:
             if micro_step < skip_micro_steps:  # resuming mid-epoch: replay the sampler's order
                 t_data = time.perf_counter()
                 continue
-            x = inject_fault(cfg, env, step, x)  # DDP: test-only (--fail-at-step); x itself otherwise
             # non_blocking=True: from pinned memory the copy is asynchronous and overlaps compute.
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             window_start = micro_step % cfg.accumulate == 0

@@ -54,7 +54,7 @@ from manual_train.checkpoint import capture_rng  # DDP: every rank's RNG streams
 from manual_train.config import Config, arg  # ZERO: ZeroConfig raises no UsageError itself (check_zero does)
 from manual_train.distributed import DistEnv, pick_device, read_env, setup, teardown  # DDP
 # >>> ZERO: the DDP loop's config, defaults and fault injection; the sharding functions
-from manual_train.loops.ddp import DEFAULTS, DDPConfig, inject_fault  # noqa: F401 (DEFAULTS: launch/zero.py)
+from manual_train.loops.ddp import DEFAULTS, DDPConfig  # noqa: F401 (DEFAULTS: launch/zero.py)
 from manual_train.zero import (IMPLS, STAGES, check_zero, clip_grad_norm, eval_module, format_table,
                                full_model_state_dict, full_optimizer_state_dict, load_full_model_state_dict,
                                load_optimizer_state_dict, no_sync, per_rank_bytes, reshard, same_batch_count, shard,
@@ -213,7 +213,6 @@ def train_rank(cfg: ZeroConfig, env: DistEnv, device: torch.device) -> dict:  # 
             if micro_step < skip_micro_steps:  # resuming mid-epoch: replay the sampler's order
                 t_data = time.perf_counter()
                 continue
-            x = inject_fault(cfg, env, step, x)  # DDP: test-only (--fail-at-step); x itself otherwise
             # non_blocking=True: from pinned memory the copy is asynchronous and overlaps compute.
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             window_start = micro_step % cfg.accumulate == 0

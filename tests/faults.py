@@ -1,0 +1,38 @@
+"""Test-only fault injection, kept out of the lessons (the loops carry no test-only code).
+
+`inject(loop_module, at_step, rank, mode)` wraps the loop module's `loss_fn`: on global rank `rank`, the call
+that would start optimizer step at_step + 1 (counted in this process's micro-steps, so the runs that use it keep
+--accumulate 1) raises, kills the process with SIGKILL (no exception, no finally, no destroy_process_group), or
+returns a NaN loss (a corrupt batch on this rank alone). Only on torchrun's first attempt
+(TORCHELASTIC_RESTART_COUNT 0, or a plain process): the group torchrun restarts after it (--max-restarts) runs
+clean, which is what a transient fault, a lost node, looks like.
+
+`tests/faulty_ddp.py` is launch/ddp.py with this applied from three flags of its own.
+"""
+from __future__ import annotations
+
+import math
+import os
+import signal
+
+MODES = ("raise", "kill", "nan")
+
+
+def inject(loop_module, at_step: int, rank: int, mode: str) -> None:
+    assert mode in MODES, mode
+    real_loss_fn = loop_module.loss_fn
+    calls = 0
+
+    def loss_fn(logits, y):
+        nonlocal calls
+        steps_done, calls = calls, calls + 1
+        first_attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) == 0
+        if steps_done != at_step or int(os.environ.get("RANK", 0)) != rank or not first_attempt:
+            return real_loss_fn(logits, y)
+        if mode == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if mode == "nan":
+            return real_loss_fn(logits, y) * math.nan
+        raise RuntimeError(f"injected failure on rank {rank} after {at_step} optimizer steps (--fail-at-step)")
+
+    loop_module.loss_fn = loss_fn
