@@ -9,7 +9,10 @@ init_process_group, so NCCL binds each process to its own GPU instead of all to 
 from __future__ import annotations
 
 import datetime
+import gc
+import importlib
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -55,8 +58,15 @@ def pick_device(device_name: str, env: DistEnv) -> torch.device:
     return torch.device("cuda", env.local_rank)
 
 
-def setup(env: DistEnv, device: torch.device, backend: str = "auto", timeout_s: float = 1800) -> None:
-    """Bind the GPU, then join the process group (nccl for CUDA, gloo for CPU unless --backend says)."""
+def setup(env: DistEnv, device: torch.device, backend: str = "auto", timeout_s: float = 1800,
+          bind_device: bool = True) -> None:
+    """Bind the GPU, then join the process group (nccl for CUDA, gloo for CPU unless --backend says).
+
+    bind_device=True also passes device_id= to init_process_group: nccl then sets up its communicator on that
+    GPU at once, and refuses collectives on tensors on any other device. A rank that drives two GPUs (hybrid
+    ddp-mp: DDP broadcasts parameters on both, evaluation's sums live on the decoder's) passes False: the
+    group is not bound, and `device` is only the current CUDA device.
+    """
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before init_process_group: NCCL uses the current device
     if backend == "auto":
@@ -67,10 +77,11 @@ def setup(env: DistEnv, device: torch.device, backend: str = "auto", timeout_s: 
         # plain `python launch/ddp.py`: a group of one, so the same code path runs everywhere
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    import_group_defaults()  # before the group exists: see its docstring (the abort at exit it prevents)
     timeout = datetime.timedelta(seconds=timeout_s)
     dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size, timeout=timeout,
                             store=restart_safe_store(env, timeout),
-                            device_id=device if device.type == "cuda" else None)
+                            device_id=device if device.type == "cuda" and bind_device else None)
 
 
 def restart_safe_store(env: DistEnv, timeout: datetime.timedelta):
@@ -90,10 +101,64 @@ def restart_safe_store(env: DistEnv, timeout: datetime.timedelta):
     return dist.PrefixStore(f"manual_train/attempt_{attempt}", store)
 
 
+# Modules that take `group=dist.group.WORLD` as a default argument: Python evaluates it once, at import. Imported
+# while a group exists, they hold that group for the rest of the process (torch.distributed.nn.functional is
+# imported by the first DDP(...), through torch._dynamo; torch.distributed.optim by ZeroRedundancyOptimizer and
+# FSDP2; fairscale.optim by OSS and ShardedGradScaler). Imported before init_process_group, they hold None, which
+# every collective reads as "the default group at call time".
+GROUP_DEFAULT_MODULES = ("torch.distributed.nn", "torch.distributed.optim", "fairscale.optim")
+
+
+def import_group_defaults() -> None:
+    """Import GROUP_DEFAULT_MODULES (those installed) while no process group exists.
+
+    Why it matters: gloo's worker threads stop only when the group object is freed; destroy_process_group
+    unregisters the group but cannot free it while a default argument still holds it. The threads then live
+    into interpreter shutdown, and one of them may still be dropping the last collective's tensors (whose
+    Python objects need the GIL): Python 3.11 ends a thread that asks for the GIL during finalization with
+    pthread_exit, the unwind crosses a noexcept destructor (ProcessGroupGloo::AsyncWork), and C++ aborts:
+    "terminate called without an active exception", SIGABRT, after `done:` was printed (a loaded machine
+    stretches that window: about 1 run in 10 here). With the group freed in teardown(), its destructor joins
+    the threads while the interpreter is whole. (~0.7 s here, which the first DDP(...) then no longer spends
+    importing the same modules: no net cost for DDP.)
+    """
+    assert not (dist.is_available() and dist.is_initialized()), "import before init_process_group"
+    for name in GROUP_DEFAULT_MODULES:
+        try:
+            importlib.import_module(name)
+        except ImportError:  # fairscale is optional
+            pass
+
+
 def teardown() -> None:
-    """destroy_process_group on every exit path (call from a `finally`)."""
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+    """destroy_process_group on every exit path (call from a `finally`), and free the group now.
+
+    destroy_process_group unregisters the groups; they end (gloo joins its threads) only when the last reference
+    goes. Three kinds outlive it: default arguments (import_group_defaults, at set-up), DeviceMeshes (below) and
+    the loop's objects in reference cycles (DDP's reducer, FSDP2's state), which only the garbage collector frees.
+    Costs ~0.2-0.4 s here, once per process (a full collection of a heap holding torch._dynamo's modules).
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    dist.destroy_process_group()
+    _release_device_meshes()
+    gc.collect()
+
+
+def _release_device_meshes() -> None:
+    """Drop the destroyed groups that DeviceMeshes still hold (FSDP2's mesh: --impl torch --stage 2, 3).
+
+    DTensor's sharding caches keep every DeviceMesh they have seen for the life of the process, and each mesh
+    holds its groups in `_pg_registry` (read only under torch.compile; eager code finds groups by name). The
+    groups are destroyed by now, so the entries are dead weight that would keep gloo's threads running.
+    """
+    if "torch.distributed.device_mesh" not in sys.modules:  # never imported: no mesh exists
+        return
+    from torch.distributed.device_mesh import DeviceMesh
+
+    for obj in gc.get_objects():  # ~0.03 s. (The MRO test, not isinstance: that reads deprecated torch objects.)
+        if DeviceMesh in type(obj).__mro__ and isinstance(getattr(obj, "_pg_registry", None), dict):
+            obj._pg_registry.clear()
 
 
 def _free_port() -> int:
