@@ -22,7 +22,9 @@ def run(train: Callable[[Config], dict], config_cls=Config, *, script: str, doc:
     workers returned; nothing a worker can do changes that short of faking success (exiting 0), and with
     --max-restarts N it restarts the workers N times first. docs/what-happens-when.md says so for users.
     """
-    report = int(os.environ.get("LOCAL_RANK", "0")) == 0
+    # One line per node under torchrun (which sets RANK for every worker); a process not started by a launcher
+    # always reports, whatever LOCAL_RANK a shell left behind.
+    report = "RANK" not in os.environ or os.environ.get("LOCAL_RANK", "0") == "0"
     try:
         cfg = parse_config(config_cls, argv, prog=f"{script}.py", description=doc, quiet=not report, **defaults)
         try:

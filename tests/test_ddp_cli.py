@@ -36,7 +36,8 @@ def test_help_lists_the_ddp_flags_and_the_torchrun_commands(capsys):
     for flag in ("--backend", "--dist-timeout-s", "--sync-bn"):
         assert flag in text
     assert "FOR TESTING" not in text and "--fail-at-step" not in text  # fault injection lives in tests/faults.py
-    assert "torchrun --nproc_per_node=4 launch/ddp.py" in text and "--rdzv-endpoint" in text and "srun" in text
+    assert "torchrun --nproc_per_node=4 launch/ddp.py" in text and "--rdzv-endpoint" in text
+    assert "ignores --node-rank" in text and "srun" not in text  # the Slurm recipe lives in docs/ddp.md
     assert re.search(r"--batch-size BATCH_SIZE\s+samples per micro-batch, per process \(default: 8\)", text)
 
 

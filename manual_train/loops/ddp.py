@@ -1,4 +1,4 @@
-# >>> DDP: the docstring shows torchrun's commands (one node, several nodes, Slurm, restarts)
+# >>> DDP: the docstring shows torchrun's commands (one node, several nodes, restarts)
 """Distributed data parallel training under torchrun: one process per device, gradients all-reduced.
 
     torchrun --nproc_per_node=4 launch/ddp.py        # make demo: 4 CPU ranks (gloo), >= 0.95 val acc on digits
@@ -8,17 +8,14 @@
     torchrun --nproc_per_node=8 launch/ddp.py --device cuda --batch-size 32    # one GPU per rank, nccl
     torchrun --standalone --nproc_per_node=4 --max-restarts 1 launch/ddp.py --out-dir runs/a --resume auto
 
-Several nodes: start one torchrun per node with the same rendezvous endpoint (a host:port on node 0);
-torchrun numbers the ranks node by node (RANK = node_rank * nproc_per_node + LOCAL_RANK):
+Several nodes: the same torchrun on every node, meeting at one rendezvous endpoint and id. The c10d rendezvous
+ignores --node-rank and numbers the nodes in the order they join, so global rank 0, which alone prints and
+writes the outputs, may run on any of them: --out-dir must be on a filesystem every node shares.
 
-    torchrun --nnodes=2 --node-rank=0 --nproc_per_node=8 --rdzv-backend c10d --rdzv-endpoint node0:29500 \
-             --rdzv-id job42 launch/ddp.py --device cuda      # on node0; on node1 the same with --node-rank=1
+    torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend c10d --rdzv-endpoint node0:29500 --rdzv-id job42 \
+             launch/ddp.py --device cuda --out-dir /shared/runs/job42        # the same on every node
 
-Slurm: one task per node, each running torchrun (sbatch --nodes=2 --ntasks-per-node=1 --gpus-per-node=8):
-
-    head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)
-    srun torchrun --nnodes="$SLURM_NNODES" --nproc_per_node=8 --rdzv-backend c10d --rdzv-endpoint "$head:29500" \
-                  --rdzv-id "$SLURM_JOB_ID" launch/ddp.py --device cuda --out-dir runs/$SLURM_JOB_ID --resume auto
+Static rendezvous (--node-rank honoured) and Slurm: docs/ddp.md, "Single node, several nodes, Slurm".
 
 `diff manual_train/loops/single.py manual_train/loops/ddp.py` is the lesson; every changed line is marked DDP:
   setup ............ rank and device from torchrun's environment, the device bound before init_process_group,

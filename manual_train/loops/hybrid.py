@@ -134,7 +134,8 @@ def train(cfg: Config) -> dict:
     if cfg.mode != "ddp-mp":
         return train_rank(cfg, env)
     group_a, _ = cfg.device_groups(env)
-    setup(env, group_a[0])  # gloo on CPU, nccl on CUDA (bound to the pair's first GPU); plain python: a group of one
+    # gloo or nccl (plain python: a group of one), not bound to one GPU: DDP and the sums use both of the pair's
+    setup(env, group_a[0], bind_device=False)
     try:
         return train_rank(cfg, env)
     finally:
