@@ -35,13 +35,39 @@ class DistEnv:
         return self.rank == 0
 
 
+# What torchrun sets for every worker. A process given only some of them by hand (a stale shell, a wrong
+# launcher) would wait for ranks that never come, or fail deep in set-up: read_env refuses it in one line.
+LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
 def read_env() -> DistEnv:
     """Who this process is, from torchrun's environment (a lone process is rank 0 of 1)."""
     launched = "RANK" in os.environ
-    world_size = int(os.environ.get("WORLD_SIZE", 1))
-    return DistEnv(rank=int(os.environ.get("RANK", 0)), local_rank=int(os.environ.get("LOCAL_RANK", 0)),
-                   world_size=world_size,
-                   local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)), launched=launched)
+    if launched:
+        missing = [name for name in LAUNCH_VARS if name not in os.environ]
+        if missing:
+            raise UsageError("RANK", f"is set but {', '.join(missing)} is not: this process was not started by "
+                                     "torchrun", "torchrun --nproc_per_node=N launch/<script>.py, or unset RANK")
+    elif _env_int("WORLD_SIZE", 1) != 1:
+        raise UsageError("WORLD_SIZE", f"is {os.environ['WORLD_SIZE']} but RANK is not set: a lone process would "
+                                       f"wait for ranks that never come", "torchrun --nproc_per_node="
+                                       f"{os.environ['WORLD_SIZE']} launch/<script>.py, or unset WORLD_SIZE")
+    world_size = _env_int("WORLD_SIZE", 1)
+    env = DistEnv(rank=_env_int("RANK", 0), local_rank=_env_int("LOCAL_RANK", 0), world_size=world_size,
+                  local_world_size=_env_int("LOCAL_WORLD_SIZE", world_size), launched=launched)
+    if not (0 <= env.rank < env.world_size and 0 <= env.local_rank < env.local_world_size <= env.world_size):
+        raise UsageError("RANK", f"RANK {env.rank}, LOCAL_RANK {env.local_rank}, WORLD_SIZE {env.world_size}, "
+                                 f"LOCAL_WORLD_SIZE {env.local_world_size} do not fit together",
+                         "0 <= RANK < WORLD_SIZE, 0 <= LOCAL_RANK < LOCAL_WORLD_SIZE <= WORLD_SIZE (torchrun's)")
+    return env
+
+
+def _env_int(name: str, default: int) -> int:
+    text = os.environ.get(name, str(default))
+    try:
+        return int(text)
+    except ValueError:
+        raise UsageError(name, f"{text!r} is not a whole number", "what torchrun sets") from None
 
 
 def pick_device(device_name: str, env: DistEnv) -> torch.device:

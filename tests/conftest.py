@@ -118,12 +118,12 @@ SUBPROCESS_TIMEOUT_S = 900
 
 
 def run_script(script: str, *args: str, timeout: float = SUBPROCESS_TIMEOUT_S, launcher: list[str] | None = None,
-               env: dict | None = None) -> subprocess.CompletedProcess:
+               env: dict | None = None, unset: tuple | list = ()) -> subprocess.CompletedProcess:
     """Run launch/<script>.py (or <script>.py when it names a folder, e.g. tests/faulty_ddp) as a user would (a
-    real subprocess), capturing its output."""
+    real subprocess), capturing its output; `env` adds variables, `unset` removes them."""
     path = REPO / f"{script}.py" if "/" in script else REPO / "launch" / f"{script}.py"
     cmd = (launcher or [sys.executable]) + [str(path), *args]
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    full_env = {k: v for k, v in {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}.items() if k not in unset}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=full_env)
 
 

@@ -144,6 +144,8 @@ def test_the_banner_suggests_workers_from_the_ranks_on_this_node(monkeypatch, ca
     from manual_train.loops import single
 
     monkeypatch.setattr(data.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # as torchrun sets it on each node
+    for name, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="8", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                            MASTER_PORT="29500").items():
+        monkeypatch.setenv(name, value)  # rank 0 of 8, on a node of 2, as torchrun sets them
     single.train(make_cfg(tmp_path, model="mlp", max_steps=1))
     assert "(suggested here: 7)" in capsys.readouterr().out  # 16 CPUs / 2 local ranks - 1
