@@ -161,6 +161,14 @@ TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER
                  "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RESTART_COUNT")
 
 
+def as_torchrun_rank(monkeypatch, rank: int = 0, world_size: int = 2) -> None:
+    """Set the environment torchrun gives a worker (rank `rank` of `world_size` on one node), for tests of
+    what a script decides from it before any process group exists."""
+    for name, value in dict(RANK=rank, LOCAL_RANK=rank, WORLD_SIZE=world_size, LOCAL_WORLD_SIZE=world_size,
+                            MASTER_ADDR="127.0.0.1", MASTER_PORT=29500).items():
+        monkeypatch.setenv(name, str(value))
+
+
 @pytest.fixture
 def lone_process():
     """No torchrun environment; afterwards os.environ as it was (setup() adds MASTER_ADDR/MASTER_PORT)."""

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from conftest import REPO, make_cfg
+from conftest import REPO, as_torchrun_rank, make_cfg
 
 from manual_train import runtime
 from manual_train.config import UsageError
@@ -54,7 +54,7 @@ def test_fairscale_stage_3_with_one_rank_is_refused(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     with pytest.raises(UsageError, match="needs 2 or more ranks"):
         check_zero("fairscale", 3, "32-true", on_cuda=True, reduce_buffer_size=None)
-    monkeypatch.setenv("WORLD_SIZE", "2")
+    as_torchrun_rank(monkeypatch, world_size=2)
     check_zero("fairscale", 3, "32-true", on_cuda=True, reduce_buffer_size=None)
 
 

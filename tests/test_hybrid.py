@@ -23,8 +23,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from conftest import (PARITY_TOL_64, SEQ, assert_within_fp32_floor, cuda_devices, fp32_noise_floor, load_model_state,
-                      make_cfg, max_param_diff, run_script, torchrun, train_state)
+from conftest import (PARITY_TOL_64, SEQ, as_torchrun_rank, assert_within_fp32_floor, cuda_devices, fp32_noise_floor,
+                      load_model_state, make_cfg, max_param_diff, run_script, torchrun, train_state)
 from test_mp import SEQ_FP32, SEQ_PARITY
 from manual_train import parallel
 from manual_train.checkpoint import REQUIRED_KEYS
@@ -205,8 +205,7 @@ def test_bad_input_is_one_line(tmp_path, capsys, monkeypatch):
         assert (rc, capsys.readouterr().err) == (2, line + "\n"), argv
         assert not out_dir.exists()
     # dp-mp is a single-process form: under torchrun (as a rank of 2) it is refused before anything starts
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("WORLD_SIZE", "2")
+    as_torchrun_rank(monkeypatch, world_size=2)
     rc = cli_run(hybrid.train, hybrid.HybridConfig, script="hybrid", argv=["--out-dir", str(tmp_path / "never")],
                  **hybrid.DEFAULTS)
     assert (rc, capsys.readouterr().err) == (2, "error: --mode: dp-mp is one process driving every device; under "
