@@ -98,7 +98,7 @@ def _process_exists(pid: int) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
+        pass  # it exists, owned by another user
     return True
 
 
@@ -149,8 +149,8 @@ def check_compatible(ckpt: dict, cfg: Config, global_batch_size: int, total_step
     step = int(ckpt["step"])
     if step > total_steps:
         raise UsageError("--max-steps" if cfg.max_steps else "--epochs",
-                         f"this run ends after {total_steps} optimizer steps, before the checkpoint's "
-                                     f"step {step}", f"more than {step} steps (--epochs or --max-steps)")
+                         f"this run ends after {total_steps} optimizer steps, before the checkpoint's step {step}",
+                         f"more than {step} steps (--epochs or --max-steps)")
     if step == total_steps or ckpt["early_stopping"].get("should_stop"):
         how = "stopped early" if ckpt["early_stopping"].get("should_stop") else f"all {total_steps} steps done"
         raise RunFinished(f"nothing to do: the checkpoint's run is finished ({how}); its outputs are left as they "

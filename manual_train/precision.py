@@ -109,6 +109,11 @@ def param_dtype(precision: str) -> torch.dtype:
     return torch.float64 if precision == "64-true" else torch.float32
 
 
+def cast_input(x, dtype: torch.dtype):
+    """A floating tensor in `dtype` (64-true's images); anything else, e.g. token ids, as it is."""
+    return x.to(dtype) if torch.is_tensor(x) and x.is_floating_point() else x
+
+
 class CastInputs(nn.Module):
     """64-true's forward: floating inputs cast to the model's dtype on the way in (token ids pass).
 
@@ -121,7 +126,7 @@ class CastInputs(nn.Module):
         self.module, self.dtype = module, dtype
 
     def forward(self, x):
-        return self.module(x.to(self.dtype) if x.is_floating_point() else x)
+        return self.module(cast_input(x, self.dtype))
 
 
 class O2Forward(nn.Module):

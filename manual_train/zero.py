@@ -41,6 +41,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from manual_train.config import UsageError
+from manual_train.precision import cast_input
 
 IMPLS = ("torch", "fairscale")
 STAGES = (1, 2, 3)
@@ -135,7 +136,7 @@ def _constructor_kwargs(optimizer: torch.optim.Optimizer) -> dict:
 
 def _inputs_to_float64(module: nn.Module, args: tuple) -> tuple:
     """64-true's input cast (precision.CastInputs) as a forward pre-hook: floating inputs to float64."""
-    return tuple(a.to(torch.float64) if torch.is_tensor(a) and a.is_floating_point() else a for a in args)
+    return tuple(cast_input(a, torch.float64) for a in args)
 
 
 def shard(raw_model: nn.Module, optimizer: torch.optim.Optimizer, impl: str, stage: int, device: torch.device,
