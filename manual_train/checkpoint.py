@@ -157,7 +157,8 @@ def check_compatible(ckpt: dict, cfg: Config, global_batch_size: int, total_step
                           "are (raise --epochs or --max-steps to train on, with --schedule constant)")
 
 
-def build_checkpoint(*, model_state: dict, optimizer_state: dict, scheduler, amp, early_stopping, cfg: Config,
+def build_checkpoint(*, model_state: dict, optimizer_state: dict, scheduler, scaler_state: dict, early_stopping,
+                     cfg: Config,
                      epoch: int, micro_steps_done: int, step: int, samples_seen: int, best: dict,
                      world_size: int, **extra) -> dict:
     """The checkpoint dict of DESIGN.md. `epoch` is the epoch being run; micro_steps_done > 0 means
@@ -166,7 +167,7 @@ def build_checkpoint(*, model_state: dict, optimizer_state: dict, scheduler, amp
         "model": model_state,
         "optimizer": optimizer_state,
         "scheduler": scheduler.state_dict(),
-        "scaler": amp.state_dict(),
+        "scaler": scaler_state,
         "epoch": epoch,
         "step": step,
         "rng": capture_rng(),

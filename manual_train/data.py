@@ -15,6 +15,7 @@ batch N*b see, step by step, the same samples as N DDP ranks with batch b.
 """
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import random
@@ -242,15 +243,32 @@ def _datasets(cfg: Config) -> tuple[Dataset, Dataset, DataInfo]:
 
 
 # ---------------------------------------------------------------------- samplers and loaders
-def train_sampler(dataset: Dataset, seed: int, world_size: int = 1, rank: int = 0) -> DistributedSampler:
+class TrainSampler(DistributedSampler):
+    """DistributedSampler that can begin an epoch part-way: `set_epoch(epoch, start=k)` skips the rank's first k
+    indices of that epoch's order. A run resumed from a mid-epoch checkpoint starts its loader where the
+    checkpoint stopped, instead of loading and throwing away the batches before it."""
+
+    start = 0
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        super().set_epoch(epoch)
+        self.start = start
+
+    def __iter__(self):
+        return itertools.islice(super().__iter__(), self.start, None)
+
+    def __len__(self) -> int:
+        return self.num_samples - self.start
+
+
+def train_sampler(dataset: Dataset, seed: int, world_size: int = 1, rank: int = 0) -> TrainSampler:
     """The one shuffling rule for every loop: DistributedSampler's permutation, also at world size 1.
 
     Rank r takes perm[r::world_size], so ranks' k-th batches of size b together are exactly
     perm[k*b*N:(k+1)*b*N], the single process's k-th batch of size N*b. Call set_epoch(epoch)
     every epoch, or every epoch repeats the same order.
     """
-    return DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed,
-                              drop_last=False)
+    return TrainSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=False)
 
 
 def eval_shard(dataset: Dataset, world_size: int = 1, rank: int = 0) -> Dataset:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from manual_train.config import UsageError, check_device_name
+from manual_train.config import Config, UsageError, arg, check_device_name
 
 
 @dataclass(frozen=True)
@@ -193,3 +193,44 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@dataclass
+class DDPConfig(Config):
+    """The baseline's flags plus the process group's (torchrun's own flags go before the script name)."""
+
+    backend: str = arg("auto", "process-group backend: auto = nccl for CUDA devices, gloo for the CPU",
+                       choices=("auto", "nccl", "gloo"))
+    dist_timeout_s: float = arg(1800.0, "seconds a collective waits for the other ranks before it fails "
+                                        "(torch's default is 30 min; at most 1e7 s, about 115 days)",
+                                min=0, min_exclusive=True, max=1e7)
+    sync_bn: bool = arg(False, "convert BatchNorm layers to SyncBatchNorm: statistics over the global batch "
+                               "(CUDA only)")
+
+    def validate(self) -> None:
+        super().validate()
+        env = read_env()
+        on_cuda = self.device.startswith("cuda") or (self.device == "auto" and torch.cuda.is_available())
+        if self.backend == "nccl" and not on_cuda:
+            raise UsageError("--backend", "nccl needs CUDA devices; this run uses the CPU", "auto, gloo")
+        if self.sync_bn and not on_cuda:
+            # torch: "SyncBatchNorm layers only work with GPU modules" (raised in forward, after set-up)
+            raise UsageError("--sync-bn", "SyncBatchNorm runs on CUDA devices only; this run uses the CPU",
+                             "--no-sync-bn, or --device cuda")
+        if on_cuda and env.world_size > 1:
+            # Checked here, identically on every local rank, rather than by the one rank that finds no GPU.
+            if self.device.startswith("cuda:"):
+                raise UsageError("--device", f"{self.device} names one GPU, but under torchrun each rank uses "
+                                             "cuda:LOCAL_RANK", "auto, cuda, cpu")
+            if env.local_world_size > torch.cuda.device_count():
+                raise UsageError("--nproc_per_node", f"{env.local_world_size} ranks on this node but only "
+                                                     f"{torch.cuda.device_count()} CUDA device(s)",
+                                 f"at most {torch.cuda.device_count()}, or --device cpu")
+
+
+def all_sum(*values, device: torch.device) -> list[torch.Tensor]:
+    """Sum these numbers (0-d tensors or Python numbers) over every rank: one all-reduce of a float64 stack, so
+    sample counts and sums stay exact. Returns float64 0-d tensors on `device` (no host sync here)."""
+    sums = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device) for v in values])
+    dist.all_reduce(sums)
+    return list(sums.unbind())

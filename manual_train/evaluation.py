@@ -11,14 +11,17 @@ add up exactly across DDP ranks (the DDP loop all-reduces these three numbers).
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 import torch.nn.functional as F
 
 from manual_train.models import correct_count
 
 
-def evaluate(model, loader, device: torch.device, amp, eval_mode: str = "no_grad"):
-    """(loss_sum, correct, count) over the loader, as float64 device tensors (no host sync)."""
+def evaluate(model, loader, device: torch.device, autocast=nullcontext, eval_mode: str = "no_grad"):
+    """(loss_sum, correct, count) over the loader, as float64 device tensors (no host sync). `autocast()` is
+    the training loop's context (torch.autocast under 16-mixed / bf16-mixed)."""
     was_training = model.training
     model.eval()  # BatchNorm uses running statistics, dropout is off
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
@@ -28,7 +31,7 @@ def evaluate(model, loader, device: torch.device, amp, eval_mode: str = "no_grad
     with context:
         for x, y in loader:
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            with amp.autocast():
+            with autocast():
                 logits = model(x)
             # the loss in fp32 at least (fp16/bf16 logits are upcast; 64-true's stay float64)
             logits = logits.to(torch.promote_types(logits.dtype, torch.float32))

@@ -124,7 +124,7 @@ class RunLog:
 
 def run_summary(*, script: str, world_size: int, device, cfg, global_batch_size: int, epoch: int, step: int,
                 samples_seen: int, samples_this_run: int, val_loss: float, val_acc: float, best: dict,
-                early, amp, wall_s: float, data_wait_s: float, peak_mem_bytes: int, checkpoint: Path,
+                early, skipped_steps: int, wall_s: float, data_wait_s: float, peak_mem_bytes: int, checkpoint: Path,
                 **extra) -> dict:
     """The summary.json dict of DESIGN.md (loops pass their counters; extra keys go last)."""
     return {
@@ -134,7 +134,7 @@ def run_summary(*, script: str, world_size: int, device, cfg, global_batch_size:
         "best_val_loss": best.get("val_loss"), "best_val_acc": best.get("val_acc"),
         "best_epoch": early.best_epoch + 1 if early.best_epoch >= 0 else None,  # 1-based, as the console
         "stopped_early": early.should_stop, "stop_reason": early.reason,
-        "skipped_steps": amp.skipped_steps, "wall_s": wall_s, "samples_per_s": samples_this_run / wall_s,
+        "skipped_steps": skipped_steps, "wall_s": wall_s, "samples_per_s": samples_this_run / wall_s,
         "data_wait_fraction": data_wait_s / wall_s, "peak_mem_bytes": peak_mem_bytes,
         "checkpoint": str(checkpoint), **extra,
     }

@@ -109,6 +109,19 @@ def param_dtype(precision: str) -> torch.dtype:
     return torch.float64 if precision == "64-true" else torch.float32
 
 
+AUTOCAST_DTYPES = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}
+
+
+def autocast_for(precision: str, device: torch.device):
+    """`autocast()` for the loop: torch.autocast in float16 (16-mixed) or bfloat16 (bf16-mixed), else a context
+    that changes nothing. Combinations that cannot work are refused here, in one line."""
+    check_precision(precision, device)
+    dtype = AUTOCAST_DTYPES.get(precision)
+    if dtype is None:
+        return nullcontext
+    return lambda: torch.autocast(device.type, dtype=dtype)
+
+
 def cast_input(x, dtype: torch.dtype):
     """A floating tensor in `dtype` (64-true's images); anything else, e.g. token ids, as it is."""
     return x.to(dtype) if torch.is_tensor(x) and x.is_floating_point() else x
@@ -121,7 +134,7 @@ class CastInputs(nn.Module):
     buffers as they are (Lightning's `convert_input` does the same for its 64-true).
     """
 
-    def __init__(self, module: nn.Module, dtype: torch.dtype):
+    def __init__(self, module: nn.Module, dtype: torch.dtype = torch.float64):
         super().__init__()
         self.module, self.dtype = module, dtype
 

@@ -8,29 +8,26 @@
 Reads top to bottom: setup, the loop, teardown. The techniques are the commented lines:
   DataLoader tuning ........ data.build_loader (workers, pinning, prefetch) and .to(non_blocking=True)
   gradient accumulation .... micro-batch loss weights, zero_grad at window start, one step per window
-  precision ................ amp.autocast / amp.backward / amp.unscale_ / amp.step (manual_train/precision.py)
+  precision ................ torch.autocast around forward and loss; a GradScaler, enabled for 16-mixed only
   logging .................. running sums of loss.detach() on the device, .item() only at log steps
   evaluation ............... evaluation.evaluate under no_grad or inference_mode, exact sums
-  early stopping, checkpoints and exact resume (early_stopping.py, checkpoint.py)
+The run's outputs, checkpoints and exact resume, early stopping, restore-best and the summary are the `run.`
+calls (manual_train/run.py; docs/checkpointing.md, docs/early_stopping.md).
 """
 from __future__ import annotations
 
 import math
-import time
 
 import torch
 
 from manual_train import data
-from manual_train.checkpoint import (build_checkpoint, check_compatible, load_checkpoint, restore_rng,
-                                     resume_point, save_checkpoint)
 from manual_train.config import Config
-from manual_train.early_stopping import EarlyStopping
 from manual_train.evaluation import evaluate
-from manual_train.metrics import RunLog, banner, progress_bar, run_summary
 from manual_train.models import build_model, correct_count, loss_fn
 from manual_train.optim import build_optimizer, build_scheduler, scaled_lr
-from manual_train.precision import Precision, param_dtype
-from manual_train.runtime import TrainingDiverged, peak_mem_bytes, resolve_device, seed_everything, set_deterministic
+from manual_train.precision import CastInputs, autocast_for, param_dtype
+from manual_train.run import Run
+from manual_train.runtime import resolve_device, seed_everything, set_deterministic
 
 SCRIPT = "single"
 
@@ -46,67 +43,47 @@ def train(cfg: Config) -> dict:
     val_loader = data.build_loader(val_ds, cfg, device, batch_size=cfg.eval_batch_size)
     n_train = len(sampler)
     global_batch_size = cfg.batch_size * cfg.accumulate
+    micro_steps_per_epoch = data.micro_batches_per_epoch(n_train, cfg.batch_size)
     steps_per_epoch = data.steps_per_epoch(n_train, cfg.batch_size, cfg.accumulate)
     total_steps = cfg.max_steps or cfg.epochs * steps_per_epoch
     num_epochs = math.ceil(total_steps / steps_per_epoch)
     lr = scaled_lr(cfg, global_batch_size)
-
-    resume = cfg.resume_path()
-    ckpt = load_checkpoint(resume) if resume else None
-    if ckpt:
-        check_compatible(ckpt, cfg, global_batch_size, total_steps)  # or exit: one line, nothing written
+    run = Run(cfg, SCRIPT, device=device, lr=lr, global_batch_size=global_batch_size, total_steps=total_steps,
+              micro_steps_per_epoch=micro_steps_per_epoch, datasets=(train_ds, val_ds))  # checks --resume
 
     torch.manual_seed(cfg.seed)  # right before building: the same --seed gives the same weights in every loop
-    raw_model = build_model(cfg.model, info).to(param_dtype(cfg.precision))  # 64-true: fp32 init, upcast
-    if ckpt:
-        raw_model.load_state_dict(ckpt["model"])  # fp32 (64-true: fp64) weights, before any O2 cast
-    raw_model.to(device)  # moved once; nothing in the loop moves parameters again
-    amp = Precision(cfg, device)
-    model, params = amp.prepare(raw_model)  # 16-o2: fp16 model, fp32 master params for the optimizer
-    optimizer = build_optimizer(cfg, params, lr)
-    model, optimizer = amp.apex_initialize(model, optimizer)  # apex-o2 only
-    params = [p for group in optimizer.param_groups for p in group["params"]]  # what clipping sees
+    raw_model = build_model(cfg.model, info).to(param_dtype(cfg.precision)).to(device)  # moved once, never again
+    model = CastInputs(raw_model) if cfg.precision == "64-true" else raw_model  # 64-true: float64 inputs too
+    optimizer = build_optimizer(cfg, raw_model.parameters(), lr)
     scheduler = build_scheduler(cfg, optimizer, total_steps)
-    early = EarlyStopping(cfg.monitor, cfg.early_stop_patience, cfg.early_stop_min_delta)
-    start_epoch, skip_micro_steps, step, samples_seen, best = resume_point(ckpt)
-    if ckpt:
-        optimizer.load_state_dict(ckpt["optimizer"])
-        scheduler.load_state_dict(ckpt["scheduler"])
-        amp.load_state_dict(ckpt["scaler"])
-        early.load_state_dict(ckpt["early_stopping"])
-        restore_rng(ckpt["rng"])  # last: every draw from here on repeats the uninterrupted run's
-
-    out_dir = cfg.run_dir(SCRIPT)
-    log = RunLog(out_dir, tensorboard=cfg.tensorboard, resume_step=step if ckpt else None)
-    banner(log, script=SCRIPT, device=device, cfg=cfg, raw_model=raw_model, train_ds=train_ds, val_ds=val_ds,
-           global_batch_size=global_batch_size, world_size=1, lr=lr, total_steps=total_steps, out_dir=out_dir,
-           resumed_from=resume if ckpt else None, start_epoch=start_epoch, step=step)
+    # torch.amp: autocast runs forward and loss in float16 (16-mixed) or bfloat16 (bf16-mixed) where that is safe.
+    # fp16 gradients of small losses underflow to zero, so 16-mixed multiplies the loss by a large scale before
+    # backward and divides the gradients by it after; bf16 has fp32's range and needs no scaling. Disabled, the
+    # GradScaler passes everything through (scale 1).
+    autocast = autocast_for(cfg.precision, device)
+    scaler = torch.amp.GradScaler(device.type, init_scale=cfg.loss_scale_init, enabled=cfg.precision == "16-mixed",
+                                  growth_interval=cfg.loss_scale_growth_interval)
+    start_epoch, start_micro_step, step, samples_seen = run.start(
+        model=raw_model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)  # --resume loads into these
 
     # ------------------------------------------------------------------ training loop
-    progress = progress_bar(total_steps, step, enabled=cfg.progress)
     # Running sums stay on the device: adding loss.detach() costs no host sync and keeps no graph.
     loss_sum = torch.zeros((), device=device)
     correct_sum = torch.zeros((), device=device)
-    log_steps = log_samples = log_targets = 0
-    data_wait_s = 0.0
-    t_start = t_log = time.perf_counter()
-    samples_at_start = samples_seen
+    log_steps = log_targets = 0
     val_loss = val_acc = math.nan
     epoch = start_epoch - 1  # epochs_run stays right when a finished run is resumed
     for epoch in range(start_epoch, num_epochs):
-        sampler.set_epoch(epoch)  # a new permutation every epoch (else every epoch repeats the first)
+        # A new permutation every epoch (else every epoch repeats the first); a resumed epoch starts where its
+        # checkpoint stopped, micro-batch start_micro_step (the loader never loads the batches before it).
+        first = start_micro_step if epoch == start_epoch else 0
+        sampler.set_epoch(epoch, start=first * cfg.batch_size)
         model.train()
-        micro_steps_done = 0
-        t_data = time.perf_counter()
-        for micro_step, (x, y) in enumerate(train_loader):
-            data_wait_s += time.perf_counter() - t_data  # time blocked on the loader
-            if micro_step < skip_micro_steps:  # resuming mid-epoch: replay the sampler's order
-                t_data = time.perf_counter()
-                continue
+        for micro_step, (x, y) in enumerate(run.timed(train_loader), start=first):
             # non_blocking=True: from pinned memory the copy is asynchronous and overlaps compute.
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             window_start = micro_step % cfg.accumulate == 0
-            window_end = (micro_step + 1) % cfg.accumulate == 0 or micro_step + 1 == len(train_loader)
+            window_end = (micro_step + 1) % cfg.accumulate == 0 or micro_step + 1 == micro_steps_per_epoch
             if window_start:
                 optimizer.zero_grad(set_to_none=True)  # gradients accumulate over the window's micro-batches
             # Accumulation: weight each micro-batch's mean loss by its share of the window's samples, so the
@@ -114,93 +91,51 @@ def train(cfg: Config) -> dict:
             # last, partial window, where dividing by K would shrink it; Lightning issue 19987).
             weight = x.shape[0] / data.window_samples(n_train, cfg.batch_size, cfg.accumulate, micro_step)
 
-            with amp.autocast():  # forward and loss only; a no-op context for 32-true and O2
+            with autocast():  # forward and loss only: backward runs in the dtypes forward chose
                 logits = model(x)
                 loss = loss_fn(logits, y)
-            amp.backward(loss * weight, optimizer, window_end)  # scaled backward under 16-mixed / O2
+            scaler.scale(loss * weight).backward()  # 16-mixed: the scaled loss; gradients accumulate scaled
 
             # Logging without retained graphs: detach() drops autograd history, so nothing of this
             # step's graph outlives the step (summing `loss` itself would chain every step's graph).
             loss_sum += loss.detach() * weight
             correct_sum += correct_count(logits.detach(), y)
-            log_samples += x.shape[0]
             log_targets += y.numel()
             samples_seen += x.shape[0]
-            micro_steps_done = micro_step + 1
 
             if window_end:
-                amp.unscale_(optimizer)  # true gradients before clipping (16-o2: into the fp32 masters)
+                scaler.unscale_(optimizer)  # true gradients before clipping (a no-op when the scaler is off)
                 if cfg.grad_clip:
-                    torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-                if amp.step(optimizer):  # False when inf/NaN gradients made the scaler skip the step
-                    scheduler.step()  # a skipped step does not advance the schedule (Lightning's does)
+                    torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.grad_clip)
+                scaler.step(optimizer)  # 16-mixed: skipped when the gradients hold inf/NaN
+                scaler.update()  # 16-mixed: halve the scale after a skip, double it after growth_interval clean steps
+                if run.stepped(scaler):  # a skipped step does not advance the schedule (Lightning's does)
+                    scheduler.step()
                 step += 1
                 log_steps += 1
-                progress.update()
-                last_window = micro_step + 1 == len(train_loader)
-                if step % cfg.log_every == 0 or last_window or step == total_steps:
+                if step % cfg.log_every == 0 or micro_step + 1 == micro_steps_per_epoch or step == total_steps:
                     # .item() is a host sync: it waits for every queued kernel. Here once per log row.
                     train_loss = (loss_sum / log_steps).item()
                     train_acc = correct_sum.item() / log_targets
-                    if not math.isfinite(train_loss):
-                        raise TrainingDiverged.at(train_loss, step, log_steps, out_dir / "last.pt")
-                    now = time.perf_counter()
-                    log.row(step=step, epoch=epoch, split="train", loss=train_loss, acc=train_acc,
-                            lr=scheduler.get_last_lr()[0], samples_per_s=log_samples / (now - t_log),
-                            time_s=now - t_start)
-                    progress.set_postfix(loss=f"{train_loss:.4f}", refresh=False)
+                    run.log_train(step, epoch, train_loss, train_acc, scheduler.get_last_lr()[0], samples_seen,
+                                  log_steps)  # metrics.csv; a NaN loss stops the run here
                     loss_sum.zero_(), correct_sum.zero_()
-                    log_steps = log_samples = log_targets = 0
-                    t_log = now
+                    log_steps = log_targets = 0
                 if step == total_steps:
                     break
-            t_data = time.perf_counter()
-        skip_micro_steps = 0
-        epoch_done = micro_steps_done == len(train_loader)
 
         # -------------------------------------------------------------- evaluate, stop early, checkpoint
-        improved = False
-        last_epoch = epoch + 1 == num_epochs or step == total_steps
-        if (epoch + 1) % cfg.eval_every == 0 or last_epoch:
-            loss_total, correct, count = evaluate(model, val_loader, device, amp, cfg.eval_mode)
+        if (epoch + 1) % cfg.eval_every == 0 or epoch + 1 == num_epochs or step == total_steps:
+            loss_total, correct, count = evaluate(model, val_loader, device, autocast, cfg.eval_mode)
             val_loss, val_acc = (loss_total / count).item(), (correct / count).item()  # host sync, once per eval
-            improved = early.update(val_loss if cfg.monitor == "val_loss" else val_acc, epoch)
-            best = {"val_loss": min(val_loss, best.get("val_loss", math.inf)),
-                    "val_acc": max(val_acc, best.get("val_acc", -math.inf)), "epoch": early.best_epoch}
-            log.row(step=step, epoch=epoch, split="val", loss=val_loss, acc=val_acc,
-                    lr=scheduler.get_last_lr()[0], samples_per_s=0.0, time_s=time.perf_counter() - t_start)
-            log.print(f"epoch {epoch + 1}/{num_epochs} step {step}: val_loss {val_loss:.4f} "
-                      f"val_acc {val_acc:.4f}" + (" (best)" if improved else ""))
-        checkpoint = build_checkpoint(
-            model_state=amp.model_state_dict(raw_model), optimizer_state=optimizer.state_dict(),
-            scheduler=scheduler, amp=amp, early_stopping=early, cfg=cfg, world_size=1,
-            epoch=epoch + 1 if epoch_done else epoch, micro_steps_done=0 if epoch_done else micro_steps_done,
-            step=step, samples_seen=samples_seen, best=best)
-        save_checkpoint(checkpoint, out_dir / "last.pt")  # every epoch, atomically
-        if improved:
-            save_checkpoint(checkpoint, out_dir / "best.pt")
-        if early.should_stop:
-            log.print(f"early stop: {early.reason}")
-            break
-        if step == total_steps:
+            run.log_val(step, epoch, val_loss, val_acc, scheduler.get_last_lr()[0])  # and early stopping
+        run.save(epoch, micro_step + 1, step, samples_seen)  # last.pt every epoch (best.pt), atomically
+        if run.should_stop(step):  # early stopping, or every step done
             break
 
     # ------------------------------------------------------------------ teardown
-    progress.close()
-    wall_s = time.perf_counter() - t_start
-    if cfg.restore_best and (out_dir / "best.pt").exists():
-        amp.load_model_state_dict(raw_model, load_checkpoint(out_dir / "best.pt")["model"])
-        loss_total, correct, count = evaluate(model, val_loader, device, amp, cfg.eval_mode)
+    restored = run.restore_best()  # --restore-best: best.pt's weights back into raw_model
+    if restored:
+        loss_total, correct, count = evaluate(model, val_loader, device, autocast, cfg.eval_mode)
         val_loss, val_acc = (loss_total / count).item(), (correct / count).item()
-        log.print(f"restored best weights (epoch {early.best_epoch + 1}): "
-                  f"val_loss {val_loss:.4f} val_acc {val_acc:.4f}")
-    summary = run_summary(
-        script=SCRIPT, world_size=1, device=device, cfg=cfg, global_batch_size=global_batch_size, epoch=epoch,
-        step=step, samples_seen=samples_seen, samples_this_run=samples_seen - samples_at_start, val_loss=val_loss,
-        val_acc=val_acc, best=best, early=early, amp=amp, wall_s=wall_s, data_wait_s=data_wait_s,
-        peak_mem_bytes=peak_mem_bytes(device), checkpoint=out_dir / "last.pt", lr=lr)
-    log.write_summary(summary)
-    log.print(f"done: val_acc {val_acc:.4f} val_loss {val_loss:.4f} after {step} steps in {wall_s:.1f} s; "
-              f"outputs in {out_dir}")
-    log.close()
-    return summary
+    return run.finish(epoch, step, samples_seen, val_loss, val_acc, restored=restored)  # summary.json

@@ -1,0 +1,244 @@
+"""The product around every lesson: --resume, the outputs, checkpoints, early stopping, restore-best, summary.
+
+A loop is the lesson (data, model, forward, backward, step, evaluation); what a run must also do, and does the
+same way in every loop, sits behind a handful of one-line calls on a `Run`, in the order a loop makes them:
+
+    run = Run(cfg, SCRIPT, env, device=..., lr=..., ...)  # reads and checks --resume; nothing is written yet
+    start_epoch, start_micro_step, step, samples_seen = run.start(model=raw_model, optimizer=..., scheduler=...,
+                                                                  scaler=...)  # resume into them; open outputs
+    for epoch in range(start_epoch, num_epochs):
+        for micro_step, (x, y) in enumerate(run.timed(loader), start=...):   # counts the time spent waiting
+            ...
+            stepped = run.stepped(scaler)          # False when 16-mixed's GradScaler skipped the step
+            run.log_train(step, epoch, loss, acc, lr, samples_seen)   # metrics.csv; NaN stops the run
+        improved = run.log_val(step, epoch, val_loss, val_acc, lr)    # metrics.csv, early stopping, best
+        run.save(epoch, micro_steps_done, step, samples_seen)         # last.pt (and best.pt), atomically
+        if run.should_stop(step): break                               # early stop, or every step done
+    if run.restore_best(): ...evaluate again...                       # --restore-best
+    return run.finish(epoch, step, samples_seen, val_loss, val_acc)   # summary.json
+
+Its techniques have their own pages: docs/checkpointing.md (atomic saves, exact resume, the resume rules),
+docs/early_stopping.md, docs/logging.md. Under torchrun (`env.world_size > 1`) every rank makes the same calls;
+rank 0 alone writes, and the few collectives this needs (the folder name, every rank's RNG streams, a barrier
+after saving) are made here on every rank alike. A lone process is a group of one and makes none.
+
+The checkpointed objects only need state_dict() and load_state_dict(): the loops pass their unwrapped model
+(`raw_model`), or for ZeRO and O2 an object whose state_dict() is the full fp32 state (zero.Sharded, O2Masters).
+state_dict() is called on every rank (ZeRO gathers the shards with collectives), the file written by rank 0.
+"""
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from manual_train.checkpoint import (build_checkpoint, capture_rng, check_compatible, load_checkpoint, restore_rng,
+                                     resume_point, save_checkpoint)
+from manual_train.distributed import DistEnv
+from manual_train.early_stopping import EarlyStopping
+from manual_train.metrics import RunLog, banner, progress_bar, run_summary
+from manual_train.runtime import TrainingDiverged, peak_mem_bytes
+
+LONE = DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, launched=False)
+
+
+class Run:
+    """One training run's outputs and state around a loop (see the module docstring for the calls)."""
+
+    def __init__(self, cfg, script: str, env: Optional[DistEnv] = None, *, device: torch.device, lr: float,
+                 global_batch_size: int, total_steps: int, micro_steps_per_epoch: int, datasets: tuple):
+        self.cfg, self.script, self.env, self.device, self.lr = cfg, script, env or LONE, device, lr
+        self.global_batch_size, self.total_steps = global_batch_size, total_steps
+        self.micro_steps_per_epoch, self.datasets = micro_steps_per_epoch, datasets
+        self.resumed_from = cfg.resume_path()
+        self.ckpt = load_checkpoint(self.resumed_from) if self.resumed_from else None
+        if self.ckpt:
+            check_compatible(self.ckpt, cfg, global_batch_size, total_steps)  # or exit: one line, nothing written
+        self.early = EarlyStopping(cfg.monitor, cfg.early_stop_patience, cfg.early_stop_min_delta)
+        self.tracked: dict = {}
+        self.skipped_steps, self.data_wait_s, self.improved = 0, 0.0, False
+        self._last_scale = 1.0
+
+    @property
+    def distributed(self) -> bool:
+        return dist.is_available() and dist.is_initialized()
+
+    # ------------------------------------------------------------------ start
+    def start(self, *, model, optimizer, scheduler, scaler) -> tuple[int, int, int, int]:
+        """Resume into the given objects (when --resume), remember them for checkpoints, open the outputs and
+        print the banner. Returns (start_epoch, start_micro_step, step, samples_seen): zeros for a fresh run."""
+        self.tracked = dict(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
+        ckpt, env = self.ckpt, self.env
+        start_epoch, start_micro_step, step, samples_seen, self.best = resume_point(ckpt)
+        if ckpt:
+            model.load_state_dict(ckpt["model"])
+            optimizer.load_state_dict(ckpt["optimizer"])
+            scheduler.load_state_dict(ckpt["scheduler"])
+            self._load_scaler(scaler, ckpt["scaler"])
+            self.early.load_state_dict(ckpt["early_stopping"])
+            # Last: this rank's own RNG streams, so every draw from here on repeats the uninterrupted run's (a
+            # checkpoint of another world size holds rank 0's streams only: every rank takes those).
+            per_rank = ckpt.get("rng_per_rank", [])
+            restore_rng(per_rank[env.rank] if len(per_rank) == env.world_size else ckpt["rng"])
+        # The default folder name holds a timestamp that ranks could read a second apart: rank 0 picks it, the
+        # others take its choice (for --restore-best and messages); rank 0 alone writes there.
+        choice = [self.cfg.run_dir(self.script) if env.master_process else None]
+        if self.distributed:
+            dist.broadcast_object_list(choice, src=0)
+        self.out_dir = Path(choice[0])
+        self.cfg.out_dir = str(self.out_dir)
+        self.log = RunLog(self.out_dir, enabled=env.master_process, tensorboard=self.cfg.tensorboard,
+                          resume_step=step if ckpt else None)
+        train_ds, val_ds = self.datasets
+        banner(self.log, script=self.script, device=self.device, cfg=self.cfg, raw_model=_module_of(model),
+               train_ds=train_ds, val_ds=val_ds, global_batch_size=self.global_batch_size,
+               world_size=env.world_size, lr=self.lr, total_steps=self.total_steps, out_dir=self.out_dir,
+               resumed_from=self.resumed_from if ckpt else None, start_epoch=start_epoch, step=step)
+        self.progress = progress_bar(self.total_steps, step, enabled=self.cfg.progress and env.master_process)
+        self.start_step, self.samples_at_start, self.log_samples = step, samples_seen, samples_seen
+        self.t_start = self.t_log = time.perf_counter()
+        return start_epoch, start_micro_step, step, samples_seen
+
+    def _load_scaler(self, scaler, state: dict) -> None:
+        """The "scaler" entry: {"precision", "scaler", "skipped_steps"}; a scale only means something to the
+        same kind of scaler, so another precision's is not loaded."""
+        if state.get("scaler") and state.get("precision") == self.cfg.precision:
+            scaler.load_state_dict(state["scaler"])
+            if isinstance(scaler, torch.amp.GradScaler) and scaler.is_enabled():
+                self._last_scale = scaler.get_scale()
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+
+    def print(self, *parts) -> None:
+        self.log.print(*parts)
+
+    # ------------------------------------------------------------------ the loop
+    def timed(self, loader):
+        """The loader's batches, counting the time spent waiting for each (summary.json's data_wait_fraction)."""
+        t = time.perf_counter()
+        batches = iter(loader)
+        while True:
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            self.data_wait_s += time.perf_counter() - t
+            yield batch
+            t = time.perf_counter()
+
+    def stepped(self, scaler) -> bool:
+        """Whether the optimizer step was taken. GradScaler.step syncs to decide (it reads found_inf) but does not
+        say what it decided; the scale only shrinks on a skipped step, so comparing it with the previous step's
+        (kept on the host) tells. get_scale() is one host sync under 16-mixed, none when the scaler is off."""
+        scale = scaler.get_scale()
+        stepped = scale >= self._last_scale
+        self._last_scale = scale
+        self.skipped_steps += not stepped
+        return stepped
+
+    def log_train(self, step: int, epoch: int, loss: float, acc: float, lr: float, samples_seen: int,
+                  log_steps: int = 1) -> None:
+        """A metrics.csv row and the progress bar; a NaN/inf loss stops the run (every rank alike: the numbers
+        are all-reduced), keeping the last good checkpoint."""
+        if not math.isfinite(loss):
+            raise TrainingDiverged.at(loss, step, log_steps, self.out_dir / "last.pt")
+        now = time.perf_counter()
+        self.log.row(step=step, epoch=epoch, split="train", loss=loss, acc=acc, lr=lr,
+                     samples_per_s=(samples_seen - self.log_samples) / (now - self.t_log), time_s=now - self.t_start)
+        self.progress.update(step - self.progress.n)
+        self.progress.set_postfix(loss=f"{loss:.4f}", refresh=False)
+        self.t_log, self.log_samples = now, samples_seen
+
+    def log_val(self, step: int, epoch: int, val_loss: float, val_acc: float, lr: float) -> bool:
+        """A metrics.csv row and a console line; early stopping and the best values see it. Returns whether it
+        improved on the best so far (then save() also writes best.pt)."""
+        self.improved = self.early.update(val_loss if self.cfg.monitor == "val_loss" else val_acc, epoch)
+        self.best = {"val_loss": min(val_loss, self.best.get("val_loss", math.inf)),
+                     "val_acc": max(val_acc, self.best.get("val_acc", -math.inf)), "epoch": self.early.best_epoch}
+        self.log.row(step=step, epoch=epoch, split="val", loss=val_loss, acc=val_acc, lr=lr, samples_per_s=0.0,
+                     time_s=time.perf_counter() - self.t_start)
+        self.log.print(f"epoch {epoch + 1}/{math.ceil(self.total_steps / self._steps_per_epoch())} step {step}: "
+                       f"val_loss {val_loss:.4f} val_acc {val_acc:.4f}" + (" (best)" if self.improved else ""))
+        return self.improved
+
+    def _steps_per_epoch(self) -> int:
+        return -(-self.micro_steps_per_epoch // self.cfg.accumulate)
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self, epoch: int, micro_steps_done: int, step: int, samples_seen: int, **extra) -> None:
+        """last.pt (and best.pt after an improvement), written atomically. `micro_steps_done` short of the epoch
+        (--max-steps ended mid-epoch) is where a resume starts the sampler. Under torchrun every rank takes part
+        (RNG streams, ZeRO's gathers), rank 0 writes, and a barrier holds every rank until the file is on disk."""
+        t = self.tracked
+        epoch_done = micro_steps_done >= self.micro_steps_per_epoch
+        rng_per_rank = [capture_rng()]
+        if self.distributed:
+            rng_per_rank = [None] * self.env.world_size
+            dist.all_gather_object(rng_per_rank, capture_rng())
+        model_state, optimizer_state = t["model"].state_dict(), t["optimizer"].state_dict()  # every rank (ZeRO)
+        if self.env.master_process:
+            checkpoint = build_checkpoint(
+                model_state=model_state, optimizer_state=optimizer_state, scheduler=t["scheduler"],
+                scaler_state=self._scaler_state(), early_stopping=self.early, cfg=self.cfg,
+                world_size=self.env.world_size, epoch=epoch + 1 if epoch_done else epoch,
+                micro_steps_done=0 if epoch_done else micro_steps_done, step=step, samples_seen=samples_seen,
+                best=self.best, rng_per_rank=rng_per_rank, **extra)
+            save_checkpoint(checkpoint, self.out_dir / "last.pt")
+            if self.improved:
+                save_checkpoint(checkpoint, self.out_dir / "best.pt")
+        self.improved = False
+        if self.distributed:
+            dist.barrier()
+
+    def _scaler_state(self) -> dict:
+        return {"precision": self.cfg.precision, "scaler": self.tracked["scaler"].state_dict(),
+                "skipped_steps": self.skipped_steps}
+
+    def should_stop(self, step: int) -> bool:
+        """Early stopping's decision (the same on every rank: it saw all-reduced numbers), or every step done."""
+        if self.early.should_stop:
+            self.log.print(f"early stop: {self.early.reason}")
+        return self.early.should_stop or step == self.total_steps
+
+    # ------------------------------------------------------------------ the end
+    def restore_best(self) -> bool:
+        """--restore-best: load best.pt's weights into the model; True when it did (then evaluate again). Rank 0
+        says whether best.pt exists, so every rank takes the same branch (the evaluation all-reduces)."""
+        self.progress.close()
+        self.wall_s = time.perf_counter() - self.t_start
+        exists = [(self.out_dir / "best.pt").exists()]
+        if self.distributed:
+            dist.broadcast_object_list(exists, src=0)
+        if not (self.cfg.restore_best and exists[0]):
+            return False
+        self.tracked["model"].load_state_dict(load_checkpoint(self.out_dir / "best.pt")["model"])
+        return True
+
+    def finish(self, epoch: int, step: int, samples_seen: int, val_loss: float, val_acc: float, *,
+               restored: bool = False, **extra) -> dict:
+        """summary.json and the closing line; returns the summary."""
+        if not hasattr(self, "wall_s"):
+            self.restore_best()  # (not called by the loop: only closes the bar and stops the clock)
+        if restored:
+            self.log.print(f"restored best weights (epoch {self.early.best_epoch + 1}): "
+                           f"val_loss {val_loss:.4f} val_acc {val_acc:.4f}")
+        summary = run_summary(
+            script=self.script, world_size=self.env.world_size, device=self.device, cfg=self.cfg,
+            global_batch_size=self.global_batch_size, epoch=epoch, step=step, samples_seen=samples_seen,
+            samples_this_run=samples_seen - self.samples_at_start, val_loss=val_loss, val_acc=val_acc,
+            best=self.best, early=self.early, skipped_steps=self.skipped_steps, wall_s=self.wall_s,
+            data_wait_s=self.data_wait_s, peak_mem_bytes=peak_mem_bytes(self.device),
+            checkpoint=self.out_dir / "last.pt", lr=self.lr, **extra)
+        self.log.write_summary(summary)
+        self.log.print(f"done: val_acc {val_acc:.4f} val_loss {val_loss:.4f} after {step} steps in "
+                       f"{self.wall_s:.1f} s; outputs in {self.out_dir}")
+        self.log.close()
+        return summary
+
+
+def _module_of(model) -> torch.nn.Module:
+    """The nn.Module behind a checkpointed object (zero.Sharded and O2Masters keep theirs in .module)."""
+    return model if isinstance(model, torch.nn.Module) else model.module
