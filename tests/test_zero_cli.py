@@ -1,5 +1,6 @@
-"""ZeroConfig, --help, one-line errors, the loop's diff against the DDP loop, and manual_train/zero.py's pieces that
-need no process group: the paper's formulas, the storage accounting, the FSDP units, the equal-batch evaluation.
+"""ZeroConfig, --help, one-line errors, the loop's diff against the DDP loop, and the pieces that need no process
+group: the paper's formulas and the storage accounting (manual_train/bench/zero_memory.py), the FSDP units and the
+equal-batch evaluation (manual_train/zero.py).
 
 One real subprocess (`python launch/zero.py --impl fairscale --stage 3`: exit status 2, one line, on this CPU) and
 one in-process group of one (`python launch/zero.py` at world size 1 equals the DDP loop bit for bit).
@@ -13,16 +14,14 @@ import pytest
 import torch
 from conftest import REPO, load_model_state, make_cfg, max_param_diff, run_script
 
+from manual_train.bench.zero_memory import storage_bytes, zero_formula_bytes
 from manual_train.cli import run
-from manual_train.config import Config
 from manual_train.data import DataInfo
 from manual_train.evaluation import evaluate
 from manual_train.loops import ddp
 from manual_train.loops import zero as zero_loop
 from manual_train.models import build_model
-from manual_train.precision import Precision
-from manual_train.zero import SameBatchCount, blocks, storage_bytes, zero_formula_bytes
-
+from manual_train.zero import SameBatchCount, blocks
 
 
 # ---------------------------------------------------------------------- the paper's formulas
@@ -71,9 +70,8 @@ def test_padding_with_empty_batches_leaves_the_evaluation_sums_unchanged():
     loader = torch.utils.data.DataLoader(ds, batch_size=4)  # 3 batches
     padded = SameBatchCount(loader, 5)
     assert len(padded) == 5 and [len(x) for x, _ in padded] == [4, 4, 2, 0, 0]
-    amp = Precision(Config(), torch.device("cpu"))
-    assert [t.item() for t in evaluate(model, padded, torch.device("cpu"), amp)] == \
-           [t.item() for t in evaluate(model, loader, torch.device("cpu"), amp)]
+    assert [t.item() for t in evaluate(model, padded, torch.device("cpu"))] == \
+           [t.item() for t in evaluate(model, loader, torch.device("cpu"))]
 
 
 # ---------------------------------------------------------------------- the CLI
@@ -97,8 +95,10 @@ BAD_INPUT = [
     (["--impl", "fairscale", "--stage", "3"],
      "error: --stage: 3 with --impl fairscale is FullyShardedDataParallel, which needs CUDA; on the CPU use --impl "
      "torch (FSDP2, its successor) (allowed: --impl torch, or --stage 1, 2)"),
-    (["--precision", "16-o2"], "error: --precision: 16-o2 keeps fp32 master weights outside the model"),
-    (["--impl", "fairscale", "--stage", "1", "--precision", "apex-o2"], "error: --precision: apex-o2 needs apex.amp"),
+    # apex's O2 is its own lesson (launch/apex_o2.py): refused by the base Config, as in every other loop
+    (["--precision", "16-o2"], "error: --precision: 16-o2 is apex's O2, its own lesson: run launch/apex_o2.py"),
+    (["--impl", "fairscale", "--stage", "1", "--precision", "apex-o2"],
+     "error: --precision: apex-o2 is apex's O2, its own lesson: run launch/apex_o2.py"),
     (["--impl", "fairscale", "--stage", "2", "--precision", "16-mixed"],
      "error: --precision: 16-mixed with fairscale stage 2 needs fairscale's ShardedGradScaler"),
     (["--reduce-buffer-size", "0"], "error: --reduce-buffer-size: is ShardedDataParallel's, used by --impl "
@@ -185,4 +185,4 @@ def test_launch_zero_mirrors_launch_ddp():
     body = zero_launch.split('"""', 2)[2]  # after the docstring
     assert body == ddp_launch.split('"""', 2)[2].replace("ddp.DDPConfig", "zero.ZeroConfig").replace(
         "ddp", "zero")
-    assert zero_loop.DEFAULTS is ddp.DEFAULTS  # the DDP loop's per-rank batch of 8
+    assert zero_loop.DEFAULTS == ddp.DEFAULTS  # the DDP loop's per-rank batch of 8

@@ -28,6 +28,7 @@ What is proven here (docs/zero.md cites these names):
                       launch/single.py resumes a ZeRO checkpoint and this loop a DDP one; DCP's sharded save/load
                       round-trips FSDP2's shards
   memory ............ per-rank bytes at N = 2, 4 against DDP/N and the largest tensor; summary.json = measure_rank
+                      (manual_train/bench/zero_memory.py)
   precision ......... 16-mixed composes (FSDP2's MixedPrecisionPolicy + ShardedGradScaler; OSS + GradScaler)
   the CLI ........... torchrun launch/zero.py --stage 3 vs the DDP loop, the parity flags (64-true, two epochs; one
                       (S, I): the matrix above covers the others in-process)
@@ -43,11 +44,11 @@ from conftest import (FP32_MODEL, PARITY_TOL_64, assert_within_fp32_floor, initi
                       make_cfg, max_param_diff, run_script, torchrun)
 from jobs import run_job
 
+from manual_train.bench.zero_memory import measure_per_rank_bytes, measure_rank
 from manual_train.cli import run
-from manual_train.config import Config
 from manual_train.loops import ddp, single
 from manual_train.loops import zero as zero_loop
-from manual_train.zero import CPU_CAPABLE, largest_tensor_numel, measure_per_rank_bytes, measure_rank
+from manual_train.zero import CPU_CAPABLE, ZeroConfig
 
 # Two epochs of few, large steps: the runs cost their samples' compute plus a per-step overhead (FSDP's hooks and
 # collectives, 4 processes on 2 cores), so global batch 128 costs 25-35% less CPU than 64 for the same proof.
@@ -70,9 +71,9 @@ def _name_to_impl_stage(name: str) -> tuple[str, int]:
 
 
 # ---------------------------------------------------------------------- the scenarios, run inside each rank
-def wrong_zero_grad(model, optimizer, impl, stage):
+def wrong_zero_grad(sharded):
     """The trap: torch's optimizer.zero_grad() (set_to_none=True) under ShardedDDP's default reduce buffers."""
-    optimizer.zero_grad()
+    sharded.optimizer.zero_grad()
 
 
 def _train(world_size: int, out: Path, loop: str, variant: str = "plain", **flags) -> dict:
@@ -89,13 +90,16 @@ def _train(world_size: int, out: Path, loop: str, variant: str = "plain", **flag
 
 
 def _with_trap(fn):
-    """Run fn with the loop's zeroing swapped for the trap (the loop itself otherwise)."""
-    real = zero_loop.zero_grad
-    zero_loop.zero_grad = wrong_zero_grad
+    """Run fn with fairscale stage 2's zeroing (sharded.zero_grad()) swapped for the trap (the loop itself
+    otherwise)."""
+    from manual_train.zero_fairscale import OSSWithShardedDDP
+
+    real = OSSWithShardedDDP.zero_grad
+    OSSWithShardedDDP.zero_grad = wrong_zero_grad
     try:
         return fn()
     finally:
-        zero_loop.zero_grad = real
+        OSSWithShardedDDP.zero_grad = real
 
 
 def _scenario(name: str, world_size: int, out: Path) -> dict:
@@ -138,14 +142,14 @@ def _scenario_sharded_checkpoint(out: Path) -> dict:
     from manual_train.optim import build_optimizer
     from manual_train.zero import load_sharded, save_sharded, shard
 
-    info, cfg = DataInfo("digits", (1, 8, 8), 10), Config(optimizer="adamw")
+    info, cfg = DataInfo("digits", (1, 8, 8), 10), ZeroConfig(optimizer="adamw", impl="torch", stage=3)
     setup(read_env(), torch.device("cpu"), "gloo", 120)
     try:
         def sharded(seed):
             torch.manual_seed(seed)
             raw = build_model("cnn", info)
-            model, optimizer = shard(raw, build_optimizer(cfg, raw.parameters(), 1e-3), "torch", 3, torch.device("cpu"))
-            return raw, model, optimizer
+            zero = shard(raw, build_optimizer(cfg, raw.parameters(), 1e-3), cfg, torch.device("cpu"))
+            return raw, zero.model, zero.optimizer
 
         raw, model, optimizer = sharded(0)
         loss_fn(model(torch.randn(4, 1, 8, 8)), torch.randint(0, 10, (4,))).backward()
@@ -181,8 +185,8 @@ def _scenario_any(name: str, world_size: int, rank: int, out: Path) -> dict:
     return _scenario(name, world_size, out / name)
 
 
-PRELOAD = ["manual_train.loops.zero", "manual_train.loops.single", "sklearn.datasets", "fairscale.optim",
-           "fairscale.nn.data_parallel", "torch.distributed.checkpoint"]
+PRELOAD = ["manual_train.loops.zero", "manual_train.loops.single", "sklearn.datasets", "manual_train.zero_fairscale",
+           "manual_train.bench.zero_memory", "torch.distributed.checkpoint"]
 
 
 MATRIX = [f"{loop}_{variant}" for loop in ["ddp", *IMPL_STAGES] for variant in VARIANTS]
@@ -274,7 +278,7 @@ def test_fp32_each_impl_and_stage_within_the_noise_floor_of_ddp(impl_stage, job2
 def test_sharded_ddp_zeroed_with_optimizer_zero_grad_diverges_and_the_loops_zeroing_does_not(job2):
     """ShardedDDP with its default reduce_buffer_size (2**23 elements: this model's every gradient is a view into a
     bucket). optimizer.zero_grad() sets .grad to None, so backward writes fresh tensors while the stale buckets are
-    reduced: no error, wrong weights. zero.zero_grad (ShardedDDP's own) keeps the views: equal to DDP. Both
+    reduced: no error, wrong weights. sharded.zero_grad() (ShardedDDP's own) keeps the views: equal to DDP. Both
     checks catch it: 64-true (cnn) and the fp32 noise-floor bound (mlp)."""
     out, _ = job2
     ddp_weights = weights(out, "ddp_plain")
@@ -348,10 +352,11 @@ def _memory(results: list[dict]) -> list[dict]:
 
 
 def _largest_tensor_bytes() -> int:
+    """The bound on OSS's and ZeroRedundancyOptimizer's imbalance: they never split a tensor (fp32 cnn)."""
     from manual_train.data import DataInfo
     from manual_train.models import build_model
 
-    return largest_tensor_numel(build_model("cnn", DataInfo("digits", (1, 8, 8), 10))) * 4
+    return max(p.numel() for p in build_model("cnn", DataInfo("digits", (1, 8, 8), 10)).parameters()) * 4
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
