@@ -158,11 +158,10 @@ def check_compatible(ckpt: dict, cfg: Config, global_batch_size: int, total_step
 
 
 def build_checkpoint(*, model_state: dict, optimizer_state: dict, scheduler, scaler_state: dict, early_stopping,
-                     cfg: Config,
-                     epoch: int, micro_steps_done: int, step: int, samples_seen: int, best: dict,
+                     cfg: Config, epoch: int, micro_steps_done: int, step: int, samples_seen: int, best: dict,
                      world_size: int, **extra) -> dict:
     """The checkpoint dict of DESIGN.md. `epoch` is the epoch being run; micro_steps_done > 0 means
-    it stopped mid-epoch (--max-steps), and a resume replays the sampler up to that point."""
+    it stopped mid-epoch (--max-steps), and a resume starts the sampler at that point."""
     return {
         "model": model_state,
         "optimizer": optimizer_state,

@@ -67,21 +67,20 @@ def _one_step(cfg: FindConfig, device, train_ds, info, batch_size: int) -> None:
     """One real training step at `batch_size` (samples repeated if the set is smaller)."""
     from manual_train.models import build_model, loss_fn
     from manual_train.optim import build_optimizer
-    from manual_train.precision import Precision
+    from manual_train.precision import autocast_for
 
     idx = torch.arange(batch_size) % len(train_ds)
     x, y = torch.utils.data.default_collate([train_ds[int(i)] for i in idx])
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, info).to(device)
-    amp = Precision(cfg, device)
-    model, params = amp.prepare(model)
-    optimizer = build_optimizer(cfg, params, cfg.lr)
+    optimizer = build_optimizer(cfg, model.parameters(), cfg.lr)
+    scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "16-mixed")  # as loops/single.py
     x, y = x.to(device), y.to(device)
-    with amp.autocast():
+    with autocast_for(cfg.precision, device)():
         loss = loss_fn(model(x), y)
-    amp.backward(loss, optimizer, True)
-    amp.unscale_(optimizer)
-    amp.step(optimizer)
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
 
 
 def _cpu_trial(cfg: FindConfig) -> int:

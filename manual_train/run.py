@@ -23,7 +23,7 @@ rank 0 alone writes, and the few collectives this needs (the folder name, every 
 after saving) are made here on every rank alike. A lone process is a group of one and makes none.
 
 The checkpointed objects only need state_dict() and load_state_dict(): the loops pass their unwrapped model
-(`raw_model`), or for ZeRO and O2 an object whose state_dict() is the full fp32 state (zero.Sharded, O2Masters).
+(`raw_model`), or for ZeRO and O2 an object whose state_dict() is the full fp32 state (zero.FullState, O2's masters).
 state_dict() is called on every rank (ZeRO gathers the shards with collectives), the file written by rank 0.
 """
 from __future__ import annotations
@@ -240,5 +240,5 @@ class Run:
 
 
 def _module_of(model) -> torch.nn.Module:
-    """The nn.Module behind a checkpointed object (zero.Sharded and O2Masters keep theirs in .module)."""
+    """The nn.Module behind a checkpointed object (adapters such as zero.FullState keep theirs in .module)."""
     return model if isinstance(model, torch.nn.Module) else model.module

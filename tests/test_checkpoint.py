@@ -12,6 +12,7 @@ from conftest import make_cfg, run_script
 
 from manual_train import checkpoint as ckpt_mod
 from manual_train import models
+from manual_train import run as run_module
 from manual_train.cli import run
 from manual_train.loops import single
 from manual_train.runtime import TrainingDiverged
@@ -83,7 +84,7 @@ def test_without_rng_state_the_stream_would_differ(tmp_path, monkeypatch):
     single.train(make_cfg(tmp_path, out_dir=str(tmp_path / "A"), epochs=2))
     draws_c = []
     monkeypatch.setattr(single, "loss_fn", recording_loss_fn(draws_c))
-    monkeypatch.setattr(single, "restore_rng", lambda state: None)  # Lightning-style: no RNG in checkpoints
+    monkeypatch.setattr(run_module, "restore_rng", lambda state: None)  # Lightning-style: no RNG in checkpoints
     ckpt = tmp_path / "A" / "mid.pt"
     state = torch.load(tmp_path / "A" / "last.pt", weights_only=True)
     state["epoch"], state["step"] = 1, 47  # pretend it is the epoch-1 checkpoint (weights don't matter here)
