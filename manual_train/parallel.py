@@ -1,9 +1,10 @@
 """Single-process parallelism, applied by functions to an unmodified model (docs/data_parallel.md,
 docs/model_parallel.md, docs/hybrid.md).
 
-  device lists ........... parse_devices: `--devices cpu,cpu` or `cuda:0,cuda:1`, validated up front
+  device lists ........... parse_devices: `--devices cpu,cpu` or `cuda:0,cuda:1`, validated up front;
+                           DPConfig (launch/dp.py) and MPConfig (launch/mp.py) hold the scripts' own flags
   data parallelism ....... what nn.DataParallel does in one forward, as four functions:
-                           replicate -> scatter -> parallel_apply -> gather (ExplicitDataParallel)
+                           scatter -> replicate -> parallel_apply -> gather (ExplicitDataParallel)
   model parallelism ...... split_encoder_decoder: the seq2seq encoder on device A, the decoder on B,
                            the activation moved with .to(B); optional GPipe fill-drain micro-batches
   hybrids ................ hybrid_dp_mp: each half of the split is itself data-parallel over a group
@@ -17,12 +18,14 @@ several times (`--devices cpu,cpu,cpu`) means that many chunks or stages on the 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
 import torch.nn as nn
 
-from manual_train.config import UsageError
+from manual_train.config import Config, UsageError, arg
+from manual_train.runtime import peak_mem_bytes
 
 DEVICE_LIST_ALLOWED = "a comma list of cpu and cuda:N, e.g. cpu,cpu or cuda:0,cuda:1"
 
@@ -73,6 +76,87 @@ def parse_devices(text: str, flag: str = "--devices", *, count: Optional[int] = 
 def cuda_list(n: int) -> str:
     """The --devices text of the first n GPUs: cuda:0,...,cuda:n-1."""
     return ",".join(f"cuda:{i}" for i in range(n))
+
+
+def peak_mem_per_device(devices: Sequence[torch.device]) -> dict:
+    """summary.json's peak_mem_bytes_per_device: each distinct device's peak (on the CPU: one process, one number).
+    Data parallelism shows its imbalance here (the output device holds more); model parallelism its halves."""
+    return {str(d): peak_mem_bytes(d) for d in dict.fromkeys(devices)}
+
+
+# ---------------------------------------------------------------------- the scripts' flags
+@dataclass
+class DPConfig(Config):
+    """Config plus the device list, the implementation and the device that gathers the outputs (launch/dp.py)."""
+
+    devices: str = arg("auto", "devices each batch is split over: cpu,cpu,... or cuda:0,cuda:1,... "
+                               "(auto: every visible GPU, else cpu,cpu)", metavar="LIST")
+    impl: str = arg("torch", "torch: nn.DataParallel; explicit: its replicate/scatter/parallel_apply/gather "
+                             "written out (splits the batch on CPU too)", choices=("torch", "explicit"))
+    output_device: Optional[str] = arg(None, "where outputs are gathered and the loss is computed "
+                                             "(default: the first of --devices)", metavar="DEVICE")
+
+    def device_list(self) -> list:
+        text = self.devices
+        if text == "auto":
+            text = cuda_list(torch.cuda.device_count()) if torch.cuda.is_available() else "cpu,cpu"
+        return parse_devices(text, "--devices", same_type=True, role="data parallelism")
+
+    def gather_device(self) -> torch.device:
+        devices = self.device_list()
+        if self.output_device is None:
+            return devices[0]
+        out = parse_devices(self.output_device, "--output-device", count=1, role="--output-device")[0]
+        if out.type != devices[0].type:
+            raise UsageError("--output-device", f"{out} is not a {devices[0].type} device like --devices",
+                             ", ".join(sorted({str(d) for d in devices})))
+        return out
+
+    def validate(self) -> None:
+        super().validate()
+        if self.device != "auto":
+            raise UsageError("--device", "dp.py places the model with --devices, not --device", "auto")
+        devices = self.device_list()
+        if self.impl == "torch" and devices[0].type == "cpu" and torch.cuda.is_available():
+            raise UsageError("--devices", "nn.DataParallel takes only CUDA devices when CUDA is available",
+                             "cuda:N lists, or --impl explicit for cpu lists")
+        self.gather_device()
+        if self.batch_size < len(devices):
+            raise UsageError("--batch-size", f"{self.batch_size} cannot be split over {len(devices)} devices",
+                             f">= {len(devices)}")
+
+
+@dataclass
+class MPConfig(Config):
+    """Config plus the two devices and the number of pipelined micro-batches (launch/mp.py)."""
+
+    devices: str = arg("auto", "encoder device,decoder device (auto: cuda:0,cuda:1 with two GPUs, cuda:0,cuda:0 "
+                               "with one, else cpu,cpu)", metavar="A,B")
+    microbatches: int = arg(1, "micro-batches per batch, pipelined fill-drain (GPipe); 1 = naive model "
+                               "parallelism", min=1)
+
+    def device_list(self) -> list:
+        text = self.devices
+        if text == "auto":
+            n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            text = "cuda:0,cuda:1" if n >= 2 else "cuda:0,cuda:0" if n == 1 else "cpu,cpu"
+        return parse_devices(text, "--devices", count=2, cuda_repeats=True,
+                             role="model parallelism (encoder device, decoder device)")
+
+    def validate(self) -> None:
+        super().validate()
+        if self.model != "seq2seq":
+            raise UsageError("--model", f"model parallelism splits seq2seq's encoder and decoder; {self.model} has "
+                                        "no such halves", "seq2seq (with --dataset reverse)")
+        if self.device != "auto":
+            raise UsageError("--device", "mp.py places the model with --devices, not --device", "auto")
+        devices = self.device_list()
+        if self.precision not in ("32-true", "64-true") and devices[0].type != devices[1].type:
+            raise UsageError("--precision", f"{self.precision} autocasts one device type; {devices[0]} and "
+                                            f"{devices[1]} differ", "32-true, or two devices of one kind")
+        if self.microbatches > self.batch_size:
+            raise UsageError("--microbatches", f"{self.microbatches} micro-batches cannot be cut from a batch of "
+                                               f"{self.batch_size}", f"<= --batch-size ({self.batch_size})")
 
 
 # ---------------------------------------------------------------------- data parallelism, written out
@@ -128,9 +212,10 @@ def gather(outputs: Sequence[torch.Tensor], output_device: torch.device) -> torc
 
 
 class ExplicitDataParallel(nn.Module):
-    """nn.DataParallel's forward in four visible steps (used for evaluation and for the hybrid).
+    """nn.DataParallel's forward in four visible steps: launch/dp.py --impl explicit, and the dp-mp hybrid.
 
-    The training loop of launch/dp.py writes the same four calls out inline.
+    The module must already be on devices[0]. The output is the whole batch's, on output_device: the loss
+    is computed there, once, over the gathered batch (its gradient is the full batch's mean).
     """
 
     def __init__(self, module: nn.Module, devices: Sequence[torch.device], output_device: torch.device):
@@ -140,10 +225,10 @@ class ExplicitDataParallel(nn.Module):
     def forward(self, *inputs):
         if len(self.devices) == 1:  # as DataParallel: one device, no copies
             return self.module(*(t.to(self.devices[0]) for t in inputs))
-        chunks = scatter(inputs, self.devices)
+        chunks = scatter(inputs, self.devices)  # B samples -> chunks of ceil(B/n) along dim 0, one per device
         replicas = replicate(self.module, self.devices[: len(chunks)])  # every forward, a fresh copy per device
-        outputs = parallel_apply(replicas, chunks, self.devices)
-        return gather(outputs, self.output_device)
+        outputs = parallel_apply(replicas, chunks, self.devices)  # CUDA: one Python thread per device
+        return gather(outputs, self.output_device)  # the whole batch's outputs on one device
 
 
 def data_parallel(module: nn.Module, devices: Sequence[torch.device], output_device: torch.device,
@@ -154,6 +239,17 @@ def data_parallel(module: nn.Module, devices: Sequence[torch.device], output_dev
         ids = list(devices) if devices[0].type == "cuda" else None  # on the CPU, DataParallel ignores them anyway
         return nn.DataParallel(module, device_ids=ids, output_device=output_device if ids else None)
     return ExplicitDataParallel(module, devices, output_device)
+
+
+def dp_plan(impl: str, devices: Sequence[torch.device], output_device: torch.device, batch_size: int) -> str:
+    """The console line that says how each batch is split (and that nn.DataParallel without CUDA is the baseline)."""
+    sizes = [len(c) for c in torch.arange(batch_size).chunk(len(devices))]
+    if impl == "torch" and not torch.cuda.is_available():
+        return (f"no CUDA here: nn.DataParallel ignores device_ids and calls the module directly, so each batch of "
+                f"{batch_size} runs whole on {output_device} (the single-device baseline); --impl explicit splits it "
+                f"into chunks of {sizes} on the CPU")
+    return (f"{impl} data parallel over {','.join(map(str, devices))}: each batch of {batch_size} splits into chunks "
+            f"of {sizes}; outputs gathered and loss computed on {output_device}")
 
 
 # ---------------------------------------------------------------------- model parallelism
@@ -219,6 +315,13 @@ def split_encoder_decoder(model: nn.Module, devices: Sequence[torch.device], mic
     model.encoder.to(enc_device)
     model.decoder.to(dec_device)
     return EncoderDecoderSplit(model.encoder, model.decoder, enc_device, dec_device, microbatches)
+
+
+def mp_plan(devices: Sequence[torch.device], microbatches: int, batch_size: int) -> str:
+    """The console line that says where each half runs and what the pipeline leaves idle."""
+    sizes = [len(c) for c in torch.arange(batch_size).chunk(microbatches)]
+    return (f"model parallel: encoder on {devices[0]}, decoder on {devices[1]}; {len(sizes)} micro-batch(es) of "
+            f"{sizes}; fill-drain bubble (S-1)/(M+S-1) = {bubble_fraction(2, len(sizes)):.2f}")
 
 
 # ---------------------------------------------------------------------- hybrid: data parallelism inside each stage

@@ -9,8 +9,8 @@ each chunk's mean loss averaged over the chunks (the short chunk's samples over-
 orders of magnitude. The fp32 pairing (mlp, 3 chunks, the same horizon) is held to a noise floor measured in the
 same test (conftest.fp32_noise_floor). Measured 2026-12-01 (2-core Xeon VM, AVX-512, torch 2.14.1): 64-true 2
 chunks 1.1e-16, 3 chunks 1.1e-16, wrong weights 5.3e-2; fp32 1.2e-7 against a floor of 2.3e-7, wrong weights 2.8e-2.
-Also: the gradient identities behind it (float64), the teach-by-diff markers of the single-process-parallel loops,
-bad input, the outputs contract.
+Also: the gradient identities behind it (float64), resume, bad input, the outputs contract. (The loop's markers
+and diff budget are tests/test_docs.py's.)
 """
 from __future__ import annotations
 

@@ -6,88 +6,53 @@
     python launch/mp.py --devices cuda:0,cuda:1 --microbatches 4   # GPipe fill-drain over 4 micro-batches
     python launch/mp.py --resume runs/mp-<time>/last.pt --epochs 4
 
-`diff manual_train/loops/single.py manual_train/loops/model_parallel.py` is the lesson (docs/model_parallel.md):
-  parallel.split_encoder_decoder(raw_model, [A, B]) moves the encoder to A and the decoder to B and
-  returns a module whose forward moves the one activation that crosses (the encoder's hidden state)
-  with .to(B); the logits come out on B, where the targets go and the loss is computed. Backward
-  crosses back by itself: autograd records the .to() and sends the gradient to A.
-  --microbatches M cuts each batch into M micro-batches and runs them on GPipe's fill-drain schedule,
-  so that B can decode one micro-batch while A encodes the next; each device then idles for
-  (S-1)/(M+S-1) of the step instead of half of it (S = 2 stages). The gradient is the full batch's.
-On CPU (`--devices cpu,cpu`) both stages share the same cores: the code path and the arithmetic are
-the GPU ones, the overlap is not. Modern form: torch.distributed.pipelining (docs/model_parallel.md).
+`diff manual_train/loops/single.py manual_train/loops/model_parallel.py` is the lesson (docs/model_parallel.md);
+every changed line is marked MP:
+  devices .......... --devices A,B: the encoder's device and the decoder's. The logits come out on B, where the
+                     targets, the loss, the running sums and evaluation live (`device` is B)
+  the split ........ parallel.split_encoder_decoder(raw_model, [A, B]) moves the encoder to A and the decoder to
+                     B and returns a module whose forward moves the one activation that crosses (the encoder's
+                     hidden state) with .to(B). Backward crosses back by itself: autograd recorded the .to().
+                     It holds raw_model's own submodules: optimizer, clipping and checkpoints are the baseline's
+  --microbatches M . each batch cut into M micro-batches run on GPipe's fill-drain schedule, so that B decodes one
+                     while A encodes the next: each device idles (S-1)/(M+S-1) of the step instead of half of it
+                     (S = 2 stages). One loss over the concatenated logits: the full batch's gradient
+On CPU (`--devices cpu,cpu`) both stages share the same cores: the code path and the arithmetic are the GPU ones,
+the overlap is not. --devices and --microbatches are MPConfig's (manual_train/parallel.py); DEFAULTS below make
+the reverse task launch/mp.py's default. Modern form: torch.distributed.pipelining (docs/model_parallel.md).
 """
 # <<< MP
 from __future__ import annotations
 
 import math
-import time
-from dataclasses import dataclass  # MP: the config subclass
 
 import torch
 
 from manual_train import data
-from manual_train.checkpoint import (build_checkpoint, check_compatible, load_checkpoint, restore_rng,
-                                     resume_point, save_checkpoint)
-from manual_train import parallel  # MP: split_encoder_decoder, the fill-drain schedule, device lists
-from manual_train.config import Config, UsageError, arg  # MP: MPConfig's flags and their checks
-from manual_train.early_stopping import EarlyStopping
+from manual_train.config import Config
 from manual_train.evaluation import evaluate
-from manual_train.metrics import RunLog, banner, progress_bar, run_summary
 from manual_train.models import build_model, correct_count, loss_fn
 from manual_train.optim import build_optimizer, build_scheduler, scaled_lr
-from manual_train.precision import Precision, param_dtype
-# >>> MP: the device list replaces resolve_device
-from manual_train.runtime import TrainingDiverged, peak_mem_bytes, seed_everything, set_deterministic
+# >>> MP
+from manual_train import parallel  # split_encoder_decoder, the fill-drain schedule, device lists
+from manual_train.parallel import MPConfig
 # <<< MP
+from manual_train.precision import autocast_for, param_dtype  # MP: token ids need no CastInputs
+from manual_train.run import Run
+from manual_train.runtime import seed_everything, set_deterministic  # MP: --devices, not resolve_device
 
-SCRIPT = "mp"  # MP: runs/mp-<time>, summary.json's "script"
-
-
-# >>> MP: the script's own flags and defaults (docs/model_parallel.md)
-# launch/mp.py's defaults: the reverse task with a budget that reaches >= 0.9 token accuracy on CPU
-# (more samples rather than more epochs: with 2048 samples the GRU overfits near 0.85).
+SCRIPT = "mp"  # MP
+# >>> MP: launch/mp.py's defaults: the reverse task with a budget that reaches >= 0.9 token accuracy on CPU (more
+# samples rather than more epochs: with 2048 samples the GRU overfits near 0.85)
 DEFAULTS = dict(dataset="reverse", model="seq2seq", optimizer="adamw", lr=3e-3, epochs=2, synthetic_size=16384)
-
-
-@dataclass
-class MPConfig(Config):
-    """Config plus the two devices and the number of pipelined micro-batches."""
-
-    devices: str = arg("auto", "encoder device,decoder device (auto: cuda:0,cuda:1 with two GPUs, cuda:0,cuda:0 "
-                               "with one, else cpu,cpu)", metavar="A,B")
-    microbatches: int = arg(1, "micro-batches per batch, pipelined fill-drain (GPipe); 1 = naive model "
-                               "parallelism", min=1)
-
-    def device_list(self) -> list:
-        text = self.devices
-        if text == "auto":
-            n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-            text = "cuda:0,cuda:1" if n >= 2 else "cuda:0,cuda:0" if n == 1 else "cpu,cpu"
-        return parallel.parse_devices(text, "--devices", count=2, cuda_repeats=True,
-                                      role="model parallelism (encoder device, decoder device)")
-
-    def validate(self) -> None:
-        super().validate()
-        if self.model != "seq2seq":
-            raise UsageError("--model", f"model parallelism splits seq2seq's encoder and decoder; {self.model} has "
-                                        "no such halves", "seq2seq (with --dataset reverse)")
-        if self.device != "auto":
-            raise UsageError("--device", "mp.py places the model with --devices, not --device", "auto")
-        devices = self.device_list()
-        if self.precision not in ("32-true", "64-true") and devices[0].type != devices[1].type:
-            raise UsageError("--precision", f"{self.precision} autocasts one device type; {devices[0]} and "
-                                            f"{devices[1]} differ", "32-true, or two devices of one kind")
-        if self.microbatches > self.batch_size:
-            raise UsageError("--microbatches", f"{self.microbatches} micro-batches cannot be cut from a batch of "
-                                               f"{self.batch_size}", f"<= --batch-size ({self.batch_size})")
+__all__ = ["DEFAULTS", "MPConfig", "train"]
 # <<< MP
 
 
-def train(cfg: Config) -> dict:
+def train(cfg: MPConfig) -> dict:  # MP: the baseline's flags plus --devices, --microbatches
     # ------------------------------------------------------------------ setup
-    # >>> MP: the encoder's device A and the decoder's device B; the logits, the loss, the running sums and
-    # evaluation live on B, which is `device` from here on.
+    # >>> MP: the encoder's device A and the decoder's device B; the logits, the targets, the loss, the running sums
+    # and evaluation live on B, which is `device` from here on.
     devices = cfg.device_list()
     device = devices[1]
     # <<< MP
@@ -99,77 +64,52 @@ def train(cfg: Config) -> dict:
     val_loader = data.build_loader(val_ds, cfg, device, batch_size=cfg.eval_batch_size)
     n_train = len(sampler)
     global_batch_size = cfg.batch_size * cfg.accumulate
+    micro_steps_per_epoch = data.micro_batches_per_epoch(n_train, cfg.batch_size)
     steps_per_epoch = data.steps_per_epoch(n_train, cfg.batch_size, cfg.accumulate)
     total_steps = cfg.max_steps or cfg.epochs * steps_per_epoch
     num_epochs = math.ceil(total_steps / steps_per_epoch)
     lr = scaled_lr(cfg, global_batch_size)
-
-    resume = cfg.resume_path()
-    ckpt = load_checkpoint(resume) if resume else None
-    if ckpt:
-        check_compatible(ckpt, cfg, global_batch_size, total_steps)  # or exit: one line, nothing written
+    run = Run(cfg, SCRIPT, device=device, lr=lr, global_batch_size=global_batch_size, total_steps=total_steps,
+              micro_steps_per_epoch=micro_steps_per_epoch, datasets=(train_ds, val_ds))  # checks --resume
 
     torch.manual_seed(cfg.seed)  # right before building: the same --seed gives the same weights in every loop
-    raw_model = build_model(cfg.model, info).to(param_dtype(cfg.precision))  # 64-true: fp32 init, upcast
-    if ckpt:
-        raw_model.load_state_dict(ckpt["model"])  # fp32 (64-true: fp64) weights, before any O2 cast
-    # >>> MP: moved once: the encoder to A, the decoder to B. `split` holds raw_model's own submodules (no copy),
-    # so the optimizer, precision and checkpoints all see raw_model's parameters.
-    split = parallel.split_encoder_decoder(raw_model, devices, cfg.microbatches)
+    raw_model = build_model(cfg.model, info).to(param_dtype(cfg.precision))  # MP: not moved whole: split below
+    # >>> MP: moved once: the encoder to A, the decoder to B. `model` holds raw_model's own submodules (no copy), so
+    # the optimizer, clipping and checkpoints see raw_model's parameters, wherever they live; its forward sends the
+    # source row to A, the decoder-input row to B, and the encoder's hidden state from A to B with .to(B).
+    model = parallel.split_encoder_decoder(raw_model, devices, cfg.microbatches)
     # <<< MP
-    amp = Precision(cfg, device)
-    model, params = amp.prepare(split)  # MP: the split model is what the loop calls (16-o2: cast in place)
-    optimizer = build_optimizer(cfg, params, lr)
-    model, optimizer = amp.apex_initialize(model, optimizer)  # apex-o2 only
-    params = [p for group in optimizer.param_groups for p in group["params"]]  # what clipping sees
+    optimizer = build_optimizer(cfg, raw_model.parameters(), lr)
     scheduler = build_scheduler(cfg, optimizer, total_steps)
-    early = EarlyStopping(cfg.monitor, cfg.early_stop_patience, cfg.early_stop_min_delta)
-    start_epoch, skip_micro_steps, step, samples_seen, best = resume_point(ckpt)
-    if ckpt:
-        optimizer.load_state_dict(ckpt["optimizer"])
-        scheduler.load_state_dict(ckpt["scheduler"])
-        amp.load_state_dict(ckpt["scaler"])
-        early.load_state_dict(ckpt["early_stopping"])
-        restore_rng(ckpt["rng"])  # last: every draw from here on repeats the uninterrupted run's
-
-    out_dir = cfg.run_dir(SCRIPT)
-    log = RunLog(out_dir, tensorboard=cfg.tensorboard, resume_step=step if ckpt else None)
-    banner(log, script=SCRIPT, device=device, cfg=cfg, raw_model=raw_model, train_ds=train_ds, val_ds=val_ds,
-           global_batch_size=global_batch_size, world_size=1, lr=lr, total_steps=total_steps, out_dir=out_dir,
-           resumed_from=resume if ckpt else None, start_epoch=start_epoch, step=step)
-    # >>> MP: where each half runs and what the pipeline leaves idle
-    sizes = [len(c) for c in torch.arange(cfg.batch_size).chunk(cfg.microbatches)]
-    log.print(f"model parallel: encoder on {devices[0]}, decoder on {devices[1]}; {len(sizes)} micro-batch(es) "
-              f"of {sizes}; fill-drain bubble (S-1)/(M+S-1) = {parallel.bubble_fraction(2, len(sizes)):.2f}")
-    # <<< MP
+    # torch.amp: autocast runs forward and loss in float16 (16-mixed) or bfloat16 (bf16-mixed) where that is safe.
+    # fp16 gradients of small losses underflow to zero, so 16-mixed multiplies the loss by a large scale before
+    # backward and divides the gradients by it after; bf16 has fp32's range and needs no scaling. Disabled, the
+    # GradScaler passes everything through (scale 1).
+    autocast = autocast_for(cfg.precision, device)
+    scaler = torch.amp.GradScaler(device.type, init_scale=cfg.loss_scale_init, enabled=cfg.precision == "16-mixed",
+                                  growth_interval=cfg.loss_scale_growth_interval)
+    start_epoch, start_micro_step, step, samples_seen = run.start(
+        model=raw_model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)  # --resume loads into these
+    run.print(parallel.mp_plan(devices, cfg.microbatches, cfg.batch_size))  # MP: where each half runs, the bubble
 
     # ------------------------------------------------------------------ training loop
-    progress = progress_bar(total_steps, step, enabled=cfg.progress)
     # Running sums stay on the device: adding loss.detach() costs no host sync and keeps no graph.
     loss_sum = torch.zeros((), device=device)
     correct_sum = torch.zeros((), device=device)
-    log_steps = log_samples = log_targets = 0
-    data_wait_s = 0.0
-    t_start = t_log = time.perf_counter()
-    samples_at_start = samples_seen
+    log_steps = log_targets = 0
     val_loss = val_acc = math.nan
     epoch = start_epoch - 1  # epochs_run stays right when a finished run is resumed
     for epoch in range(start_epoch, num_epochs):
-        sampler.set_epoch(epoch)  # a new permutation every epoch (else every epoch repeats the first)
+        # A new permutation every epoch (else every epoch repeats the first); a resumed epoch starts where its
+        # checkpoint stopped, micro-batch start_micro_step (the loader never loads the batches before it).
+        first = start_micro_step if epoch == start_epoch else 0
+        sampler.set_epoch(epoch, start=first * cfg.batch_size)
         model.train()
-        micro_steps_done = 0
-        t_data = time.perf_counter()
-        for micro_step, (x, y) in enumerate(train_loader):
-            data_wait_s += time.perf_counter() - t_data  # time blocked on the loader
-            if micro_step < skip_micro_steps:  # resuming mid-epoch: replay the sampler's order
-                t_data = time.perf_counter()
-                continue
+        for micro_step, (x, y) in enumerate(run.timed(train_loader), start=first):
             # non_blocking=True: from pinned memory the copy is asynchronous and overlaps compute.
-            # >>> MP: x stays on the host: the split model sends its source row to A and its decoder row to B.
-            y = y.to(device, non_blocking=True)  # the targets go to B, where the logits come out
-            # <<< MP
+            y = y.to(device, non_blocking=True)  # MP: x stays on the host: the split sends each row where it is used
             window_start = micro_step % cfg.accumulate == 0
-            window_end = (micro_step + 1) % cfg.accumulate == 0 or micro_step + 1 == len(train_loader)
+            window_end = (micro_step + 1) % cfg.accumulate == 0 or micro_step + 1 == micro_steps_per_epoch
             if window_start:
                 optimizer.zero_grad(set_to_none=True)  # gradients accumulate over the window's micro-batches
             # Accumulation: weight each micro-batch's mean loss by its share of the window's samples, so the
@@ -177,98 +117,60 @@ def train(cfg: Config) -> dict:
             # last, partial window, where dividing by K would shrink it; Lightning issue 19987).
             weight = x.shape[0] / data.window_samples(n_train, cfg.batch_size, cfg.accumulate, micro_step)
 
-            with amp.autocast():  # forward and loss only; a no-op context for 32-true and O2
+            with autocast():  # forward and loss only: backward runs in the dtypes forward chose
+                # >>> MP: the logits of every micro-batch, concatenated on B, and one loss over them: the full batch's
+                # gradient (a mean of the micro-batches' mean losses is not, when they differ in size). Backward
+                # runs B's half first, then sends dL/dh back to A through the recorded .to(B).
+                # <<< MP
                 logits = model(x)
                 loss = loss_fn(logits, y)
-            amp.backward(loss * weight, optimizer, window_end)  # scaled backward under 16-mixed / O2
+            scaler.scale(loss * weight).backward()  # 16-mixed: the scaled loss; gradients accumulate scaled
 
             # Logging without retained graphs: detach() drops autograd history, so nothing of this
             # step's graph outlives the step (summing `loss` itself would chain every step's graph).
             loss_sum += loss.detach() * weight
             correct_sum += correct_count(logits.detach(), y)
-            log_samples += x.shape[0]
             log_targets += y.numel()
             samples_seen += x.shape[0]
-            micro_steps_done = micro_step + 1
 
             if window_end:
-                amp.unscale_(optimizer)  # true gradients before clipping (16-o2: into the fp32 masters)
+                scaler.unscale_(optimizer)  # true gradients before clipping (a no-op when the scaler is off)
                 if cfg.grad_clip:
-                    torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-                if amp.step(optimizer):  # False when inf/NaN gradients made the scaler skip the step
-                    scheduler.step()  # a skipped step does not advance the schedule (Lightning's does)
+                    torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.grad_clip)
+                scaler.step(optimizer)  # 16-mixed: skipped when the gradients hold inf/NaN
+                scaler.update()  # 16-mixed: halve the scale after a skip, double it after growth_interval clean steps
+                if run.stepped(scaler):  # a skipped step does not advance the schedule (Lightning's does)
+                    scheduler.step()
                 step += 1
                 log_steps += 1
-                progress.update()
-                last_window = micro_step + 1 == len(train_loader)
-                if step % cfg.log_every == 0 or last_window or step == total_steps:
+                if step % cfg.log_every == 0 or micro_step + 1 == micro_steps_per_epoch or step == total_steps:
                     # .item() is a host sync: it waits for every queued kernel. Here once per log row.
                     train_loss = (loss_sum / log_steps).item()
                     train_acc = correct_sum.item() / log_targets
-                    if not math.isfinite(train_loss):
-                        raise TrainingDiverged.at(train_loss, step, log_steps, out_dir / "last.pt")
-                    now = time.perf_counter()
-                    log.row(step=step, epoch=epoch, split="train", loss=train_loss, acc=train_acc,
-                            lr=scheduler.get_last_lr()[0], samples_per_s=log_samples / (now - t_log),
-                            time_s=now - t_start)
-                    progress.set_postfix(loss=f"{train_loss:.4f}", refresh=False)
+                    run.log_train(step, epoch, train_loss, train_acc, scheduler.get_last_lr()[0], samples_seen,
+                                  log_steps)  # metrics.csv; a NaN loss stops the run here
                     loss_sum.zero_(), correct_sum.zero_()
-                    log_steps = log_samples = log_targets = 0
-                    t_log = now
+                    log_steps = log_targets = 0
                 if step == total_steps:
                     break
-            t_data = time.perf_counter()
-        skip_micro_steps = 0
-        epoch_done = micro_steps_done == len(train_loader)
 
         # -------------------------------------------------------------- evaluate, stop early, checkpoint
-        improved = False
-        last_epoch = epoch + 1 == num_epochs or step == total_steps
-        if (epoch + 1) % cfg.eval_every == 0 or last_epoch:
-            loss_total, correct, count = evaluate(model, val_loader, device, amp, cfg.eval_mode)
+        if (epoch + 1) % cfg.eval_every == 0 or epoch + 1 == num_epochs or step == total_steps:
+            loss_total, correct, count = evaluate(model, val_loader, device, autocast, cfg.eval_mode)
             val_loss, val_acc = (loss_total / count).item(), (correct / count).item()  # host sync, once per eval
-            improved = early.update(val_loss if cfg.monitor == "val_loss" else val_acc, epoch)
-            best = {"val_loss": min(val_loss, best.get("val_loss", math.inf)),
-                    "val_acc": max(val_acc, best.get("val_acc", -math.inf)), "epoch": early.best_epoch}
-            log.row(step=step, epoch=epoch, split="val", loss=val_loss, acc=val_acc,
-                    lr=scheduler.get_last_lr()[0], samples_per_s=0.0, time_s=time.perf_counter() - t_start)
-            log.print(f"epoch {epoch + 1}/{num_epochs} step {step}: val_loss {val_loss:.4f} "
-                      f"val_acc {val_acc:.4f}" + (" (best)" if improved else ""))
-        checkpoint = build_checkpoint(
-            model_state=amp.model_state_dict(raw_model), optimizer_state=optimizer.state_dict(),
-            scheduler=scheduler, amp=amp, early_stopping=early, cfg=cfg, world_size=1,
-            epoch=epoch + 1 if epoch_done else epoch, micro_steps_done=0 if epoch_done else micro_steps_done,
-            step=step, samples_seen=samples_seen, best=best)
-        save_checkpoint(checkpoint, out_dir / "last.pt")  # every epoch, atomically
-        if improved:
-            save_checkpoint(checkpoint, out_dir / "best.pt")
-        if early.should_stop:
-            log.print(f"early stop: {early.reason}")
-            break
-        if step == total_steps:
+            run.log_val(step, epoch, val_loss, val_acc, scheduler.get_last_lr()[0])  # and early stopping
+        run.save(epoch, micro_step + 1, step, samples_seen)  # last.pt every epoch (best.pt), atomically
+        if run.should_stop(step):  # early stopping, or every step done
             break
 
     # ------------------------------------------------------------------ teardown
-    progress.close()
-    wall_s = time.perf_counter() - t_start
-    if cfg.restore_best and (out_dir / "best.pt").exists():
-        amp.load_model_state_dict(raw_model, load_checkpoint(out_dir / "best.pt")["model"])
-        loss_total, correct, count = evaluate(model, val_loader, device, amp, cfg.eval_mode)
+    restored = run.restore_best()  # --restore-best: best.pt's weights back into raw_model
+    if restored:
+        loss_total, correct, count = evaluate(model, val_loader, device, autocast, cfg.eval_mode)
         val_loss, val_acc = (loss_total / count).item(), (correct / count).item()
-        log.print(f"restored best weights (epoch {early.best_epoch + 1}): "
-                  f"val_loss {val_loss:.4f} val_acc {val_acc:.4f}")
-    summary = run_summary(
-        script=SCRIPT, world_size=1, device=device, cfg=cfg, global_batch_size=global_batch_size, epoch=epoch,
-        step=step, samples_seen=samples_seen, samples_this_run=samples_seen - samples_at_start, val_loss=val_loss,
-        val_acc=val_acc, best=best, early=early, amp=amp, wall_s=wall_s, data_wait_s=data_wait_s,
-        # >>> MP: each device holds half the parameters and their optimizer state
-        peak_mem_bytes=peak_mem_bytes(device), checkpoint=out_dir / "last.pt", lr=lr,
-        devices=[str(d) for d in devices], microbatches=cfg.microbatches,
-        bubble_fraction=parallel.bubble_fraction(2, min(cfg.microbatches, cfg.batch_size)),
-        peak_mem_bytes_per_device={str(d): peak_mem_bytes(d) for d in dict.fromkeys(devices)})
-        # <<< MP
-    log.write_summary(summary)
-    log.print(f"done: val_acc {val_acc:.4f} val_loss {val_loss:.4f} after {step} steps in {wall_s:.1f} s; "
-              f"outputs in {out_dir}")
-    log.close()
-    return summary
+    # >>> MP: summary.json also says how it ran; each device holds its half's weights, gradients and optimizer state
+    return run.finish(epoch, step, samples_seen, val_loss, val_acc, restored=restored,
+                      devices=[str(d) for d in devices], microbatches=cfg.microbatches,
+                      bubble_fraction=parallel.bubble_fraction(2, cfg.microbatches),
+                      peak_mem_bytes_per_device=parallel.peak_mem_per_device(devices))
+    # <<< MP
