@@ -57,8 +57,9 @@ __all__ = ["ZeroConfig", "DEFAULTS", "train"]  # ZERO
 
 
 def train(cfg: ZeroConfig) -> dict:  # ZERO
-    # who this process is (torchrun's environment) and its device; join the group, and leave it on every exit
-    # path: destroy_process_group frees the communicators and lets a process join another group later
+    # ------------------------------------------------------------------ setup
+    # >>> DDP: who this process is (torchrun's environment) and its device; join the group, and leave it on every
+    # exit path: destroy_process_group frees the communicators and lets a process join another group later
     env = read_env()
     device = pick_device(cfg.device, env)  # cuda:LOCAL_RANK; setup() binds it before init_process_group
     setup(env, device, cfg.backend, cfg.dist_timeout_s)
@@ -70,7 +71,6 @@ def train(cfg: ZeroConfig) -> dict:  # ZERO
 
 def train_rank(cfg: ZeroConfig, env: DistEnv, device: torch.device) -> dict:  # ZERO
     # <<< DDP
-    # ------------------------------------------------------------------ setup
     seed_everything(cfg.seed)
     set_deterministic(cfg.deterministic)
     train_ds, val_ds, info = data.build_datasets(cfg)
@@ -89,8 +89,7 @@ def train_rank(cfg: ZeroConfig, env: DistEnv, device: torch.device) -> dict:  # 
     num_epochs = math.ceil(total_steps / steps_per_epoch)
     lr = scaled_lr(cfg, global_batch_size)
     run = Run(cfg, SCRIPT, device=device, lr=lr, global_batch_size=global_batch_size, total_steps=total_steps,
-              micro_steps_per_epoch=micro_steps_per_epoch, datasets=(train_ds, val_ds),
-              env=env)  # DDP: rank 0 alone writes; every rank joins the collectives run's calls make
+              micro_steps_per_epoch=micro_steps_per_epoch, datasets=(train_ds, val_ds), env=env)  # DDP: rank 0 writes
 
     torch.manual_seed(cfg.seed)  # right before building: the same --seed gives the same weights in every loop
     raw_model = build_model(cfg.model, info).to(param_dtype(cfg.precision)).to(device)  # moved once, never again
