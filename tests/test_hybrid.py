@@ -1,7 +1,8 @@
 """Hybrid data + model parallelism (launch/hybrid.py, manual_train/loops/hybrid.py, parallel.hybrid_dp_mp).
 
-dp-mp (one process, DataParallel inside each half) trains the baseline's weights, and each wrapper holds its
-own half (the source article wraps the encoder twice). ddp-mp under torchrun: 2 ranks with batch b train the
+dp-mp (one process, DataParallel inside each half; like every run of the loop a process group, here of one, with DDP
+over the split averaging over that one process) trains the baseline's weights, and each wrapper holds its own half
+(the source article wraps the encoder twice). ddp-mp under torchrun: 2 ranks with batch b train the
 weights of one process with batch 2b, and evaluate exactly. One torchrun launch in all.
 
 The parity proofs run in 64-true (float64; docs/parity.md) within PARITY_TOL_64 = 1e-9, over two epochs: dp-mp on
@@ -21,6 +22,7 @@ import sys
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from conftest import (PARITY_TOL_64, SEQ, as_torchrun_rank, assert_within_fp32_floor, cuda_devices, fp32_noise_floor,
@@ -31,11 +33,14 @@ from manual_train.checkpoint import REQUIRED_KEYS
 from manual_train.cli import run as cli_run
 from manual_train.config import Config
 from manual_train.data import ReverseDigits
-from manual_train.loops import hybrid, single
+from manual_train.loops import hybrid, model_parallel, single
 from manual_train.metrics import CSV_COLUMNS, SUMMARY_KEYS
 from manual_train.models import Seq2Seq
 
 CPU = torch.device("cpu")
+# Every run of the loop joins a process group (plain python: a group of one), and setup() adds MASTER_ADDR and
+# MASTER_PORT to os.environ: as in the DDP tests, lone_process gives each test the environment it started with.
+pytestmark = pytest.mark.usefixtures("lone_process")
 
 
 def param_ids(module: nn.Module) -> set:
@@ -112,6 +117,7 @@ def test_dp_mp_equals_baseline(tmp_path, baseline, impl):
     assert summary["optimizer_steps"] == base_summary["optimizer_steps"] == 42
     assert summary["final_val_loss"] == pytest.approx(base_summary["final_val_loss"], rel=1e-9)
     assert (summary["encoder_devices"], summary["decoder_devices"]) == (["cpu", "cpu"], ["cpu", "cpu"])
+    assert summary["world_size"] == 1 and not dist.is_initialized()  # a group of one, left on the way out
 
 
 def test_the_articles_wrapping_fails_the_same_check(tmp_path, baseline, monkeypatch):
@@ -174,6 +180,11 @@ def test_ddp_mp_two_ranks_equal_one_process_with_twice_the_batch(tmp_path):
         ckpt = torch.load(out_dir / name, map_location="cpu", weights_only=True)
         assert set(REQUIRED_KEYS) <= ckpt.keys() and ckpt["world_size"] == 2
         assert not any(k.startswith("module.") for k in ckpt["model"])
+
+
+def test_defaults_are_mp_py_task_and_budget():
+    """launch/hybrid.py trains launch/mp.py's model on its data (hybrid_setup keeps its own copy of the dict)."""
+    assert hybrid.DEFAULTS == model_parallel.DEFAULTS
 
 
 # ---------------------------------------------------------------------- bad input

@@ -1,0 +1,125 @@
+"""The hybrid's plumbing, decided once (loops/hybrid.py is the lesson; docs/hybrid.md).
+
+  HybridConfig ...... the baseline's flags plus --mode, --devices and --impl, and their one-line checks
+  device_groups ..... the encoder's devices (group_a) and the decoder's (group_b), from --devices and torchrun
+  split_model ....... the mode applied to an unmodified seq2seq model: dp-mp, each half data-parallel over its
+                      group (parallel.hybrid_dp_mp, the source article's form); ddp-mp, the halves on this
+                      rank's device pair (parallel.split_encoder_decoder, as launch/mp.py). The loop wraps either
+                      in DDP, so after set-up it never branches on the mode.
+  describe, summary_extra  the console line and summary.json's extra keys: where each half runs
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from manual_train import parallel
+from manual_train.config import Config, arg
+from manual_train.distributed import DistEnv, read_env
+from manual_train.errors import UsageError
+from manual_train.runtime import peak_mem_bytes
+
+# launch/hybrid.py's defaults: launch/mp.py's task and budget (loops/model_parallel.py), so the two scripts
+# train the same model on the same data (tests/test_hybrid.py checks they stay equal)
+DEFAULTS = dict(dataset="reverse", model="seq2seq", optimizer="adamw", lr=3e-3, epochs=2, synthetic_size=16384)
+
+
+@dataclass
+class HybridConfig(Config):
+    """Config plus the mode, the device list and (dp-mp) the data-parallel implementation."""
+
+    mode: str = arg("dp-mp", "dp-mp: one process, encoder data-parallel over the first half of --devices, "
+                             "decoder over the second; ddp-mp: one process per device pair (torchrun), the split "
+                             "model in DDP", choices=("dp-mp", "ddp-mp"))
+    devices: str = arg("auto", "dp-mp: encoder group then decoder group, equal halves (auto: every GPU, else "
+                               "cpu,cpu,cpu,cpu); ddp-mp: cpu,cpu for every rank, or two GPUs per local rank, rank r "
+                               "taking entries 2r and 2r+1 (auto: cuda:2r,cuda:2r+1, else cpu,cpu)", metavar="LIST")
+    impl: str = arg("torch", "dp-mp's data parallelism: torch (nn.DataParallel) or explicit (replicate/scatter/"
+                             "parallel_apply/gather written out; splits the batch on CPU too)",
+                    choices=("torch", "explicit"))
+
+    def device_groups(self, env: DistEnv) -> tuple:
+        """(group_a, group_b): the encoder's and the decoder's devices; under ddp-mp one each, this rank's pair."""
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if self.mode == "dp-mp":
+            text = self.devices
+            if text == "auto":
+                text = parallel.cuda_list(n - n % 2) if n >= 2 else "cuda:0,cuda:0" if n == 1 else "cpu,cpu,cpu,cpu"
+            names = parallel.parse_devices(text, "--devices", even=True, cuda_repeats=True, role="dp-mp",
+                                           check_machine=False)  # the list first, then each group on this machine
+            half = len(names) // 2
+            return tuple(parallel.parse_devices(",".join(map(str, group)), "--devices", same_type=True,
+                                                role="each dp-mp group") for group in (names[:half], names[half:]))
+        text = self.devices
+        if text == "auto":
+            if n == 0:
+                text = "cpu,cpu"
+            elif n < 2 * env.local_world_size:
+                raise UsageError("--devices", f"ddp-mp needs two GPUs per process: {env.local_world_size} local "
+                                              f"rank(s) need {2 * env.local_world_size}, this node has {n}",
+                                 "cpu,cpu, or fewer --nproc_per_node")
+            else:
+                text = parallel.cuda_list(2 * env.local_world_size)
+        devices = parallel.parse_devices(text, "--devices", role="ddp-mp")
+        if all(d.type == "cpu" for d in devices) and len(devices) == 2:
+            return [devices[0]], [devices[1]]  # every rank on the one CPU
+        if len(devices) != 2 * env.local_world_size:
+            raise UsageError("--devices", f"{len(devices)} devices for {env.local_world_size} local rank(s); ddp-mp "
+                                          "takes two per local rank", "cpu,cpu, or 2 x --nproc_per_node GPUs")
+        return [devices[2 * env.local_rank]], [devices[2 * env.local_rank + 1]]
+
+    def validate(self) -> None:
+        super().validate()
+        if self.model != "seq2seq":
+            raise UsageError("--model", f"the hybrid splits seq2seq's encoder and decoder; {self.model} has no such "
+                                        "halves", "seq2seq (with --dataset reverse)")
+        if self.device != "auto":
+            raise UsageError("--device", "hybrid.py places the model with --devices, not --device", "auto")
+        env = read_env()
+        if self.mode == "dp-mp" and env.world_size > 1:
+            raise UsageError("--mode", "dp-mp is one process driving every device; under torchrun use ddp-mp",
+                             "ddp-mp")
+        if self.mode == "ddp-mp" and self.impl != "torch":
+            raise UsageError("--impl", "ddp-mp's data parallelism is DDP; --impl chooses dp-mp's", "torch")
+        group_a, group_b = self.device_groups(env)
+        if self.mode == "dp-mp" and self.impl == "torch" and torch.cuda.is_available() and \
+                "cpu" in {group_a[0].type, group_b[0].type}:
+            raise UsageError("--devices", "nn.DataParallel takes only CUDA devices when CUDA is available",
+                             "cuda:N lists, or --impl explicit for cpu lists")
+        if self.precision not in ("32-true", "64-true") and group_a[0].type != group_b[0].type:
+            raise UsageError("--precision", f"{self.precision} autocasts one device type; the encoder's "
+                                            f"{group_a[0]} and the decoder's {group_b[0]} differ", "32-true")
+        if self.batch_size < max(len(group_a), len(group_b)):
+            raise UsageError("--batch-size", f"{self.batch_size} cannot be split over {len(group_a)} devices",
+                             f">= {len(group_a)}")
+
+
+def split_model(cfg: HybridConfig, raw_model: nn.Module, group_a: list, group_b: list) -> nn.Module:
+    """raw_model's encoder placed on group_a[0] and its decoder on group_b[0] (moved once), in the mode's form:
+    dp-mp wraps each half in its own data parallelism over its group; ddp-mp runs each half on one device.
+    Either way the returned module holds raw_model's own parameters (nothing copied): the optimizer, the
+    checkpoint and --restore-best all work on raw_model."""
+    if cfg.mode == "dp-mp":
+        return parallel.hybrid_dp_mp(raw_model, group_a, group_b, cfg.impl)
+    return parallel.split_encoder_decoder(raw_model, [group_a[0], group_b[0]])
+
+
+def describe(cfg: HybridConfig, group_a: list, group_b: list, env: DistEnv) -> str:
+    """The console line under the banner: where each half runs."""
+    where = f"hybrid {cfg.mode}: encoder on {','.join(map(str, group_a))}, decoder on {','.join(map(str, group_b))}"
+    if cfg.mode == "ddp-mp":
+        return where + f" (rank 0 of {env.world_size}; each rank its own pair)"
+    where += f", data parallel: {cfg.impl} (a process group of one: DDP over it averages over this one process)"
+    if cfg.impl == "torch" and not torch.cuda.is_available():
+        where += ("\nno CUDA here: nn.DataParallel ignores device_ids and calls each half directly (the seq2seq "
+                  "baseline, split); --impl explicit splits each half's batch on CPU")
+    return where
+
+
+def summary_extra(cfg: HybridConfig, group_a: list, group_b: list) -> dict:
+    """summary.json's hybrid keys: the mode and rank 0's devices (each rank of ddp-mp has its own pair)."""
+    return dict(mode=cfg.mode, impl=cfg.impl, encoder_devices=[str(d) for d in group_a],
+                decoder_devices=[str(d) for d in group_b],
+                peak_mem_bytes_per_device={str(d): peak_mem_bytes(d) for d in dict.fromkeys(group_a + group_b)})
