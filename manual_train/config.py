@@ -44,7 +44,9 @@ def arg(default, help: str, *, choices: Optional[Sequence] = None, min: Optional
 
 DATASETS = ("digits", "mnist", "fashion-mnist", "cifar10", "synthetic", "reverse")
 MODELS = ("mlp", "cnn", "resnet18", "seq2seq")
-PRECISIONS = ("32-true", "64-true", "16-mixed", "bf16-mixed", "16-o2", "apex-o2")
+PRECISIONS = ("32-true", "64-true", "16-mixed", "bf16-mixed")
+# apex's O2 is its own lesson: only launch/apex_o2.py takes these (manual_train.precision.O2Config, loops/apex_o2.py)
+O2_PRECISIONS = ("16-o2", "apex-o2")
 # --seed: each rank reseeds numpy with seed + rank, and numpy takes seeds below 2**32; 2**31 - 1 leaves room
 # for 2**31 ranks.
 MAX_SEED = 2 ** 31 - 1
@@ -89,15 +91,13 @@ class Config:
     schedule: str = arg("cosine", "LR schedule over all optimizer steps", choices=("cosine", "constant"))
     warmup_steps: int = arg(0, "linear LR warm-up steps", min=0)
     # precision
+    # (not argparse choices: 16-o2 and apex-o2 get a line that names the script taking them, check_precision_choice)
     precision: str = arg("32-true", "numeric precision; 64-true (float64 weights, inputs and optimizer state) is "
-                                    "the parity mode whose results do not depend on the CPU; 16-o2 is apex's O2 "
-                                    "written out; apex-o2 needs apex",
-                         choices=PRECISIONS)
-    loss_scale_init: float = arg(2.0 ** 16, "initial dynamic loss scale (16-mixed, 16-o2; at most "
-                                            "--loss-scale-max under 16-o2)", min=1, max=MAX_LOSS_SCALE)
+                                    "the parity mode whose results do not depend on the CPU; apex's O2 (16-o2, "
+                                    "apex-o2) is launch/apex_o2.py's", metavar="{" + ",".join(PRECISIONS) + "}")
+    loss_scale_init: float = arg(2.0 ** 16, "initial dynamic loss scale (16-mixed; launch/apex_o2.py's 16-o2, "
+                                            "at most its --loss-scale-max)", min=1, max=MAX_LOSS_SCALE)
     loss_scale_growth_interval: int = arg(2000, "clean steps before the loss scale doubles", min=1)
-    loss_scale_max: float = arg(2.0 ** 24, "cap on the dynamic loss scale (16-o2, as apex; at most 2**64)",
-                                min=1, max=MAX_LOSS_SCALE)
     # data loading
     num_workers: int = arg(0, "DataLoader worker processes (0 loads in the main process)", min=0)
     pin_memory: Optional[bool] = arg(None, "page-locked host batches for async copies (default: on for CUDA)")
@@ -155,6 +155,7 @@ class Config:
 
     def validate_step(self) -> None:
         """The checks for what one training step needs: data, model, loss scale, device (find_batch_size's)."""
+        self.check_precision_choice()
         self.input_shape()  # parses --synthetic-shape
         check_path(self.data_root, "--data-root")
         if self.model == "seq2seq" and self.dataset != "reverse":
@@ -163,14 +164,17 @@ class Config:
         if self.dataset == "reverse" and self.model != "seq2seq":
             raise UsageError("--model", f"--dataset reverse is a sequence task; {self.model} is an image model",
                              "seq2seq")
-        if self.precision == "16-o2" and self.loss_scale_init > self.loss_scale_max:  # the scaler's cap
-            cap = _number(self.loss_scale_max)
-            raise UsageError("--loss-scale-init", f"{_number(self.loss_scale_init)} is above --loss-scale-max {cap}",
-                             f"<= {cap}")
         check_device_name(self.device, "--device")
-        if self.precision == "apex-o2":
-            from manual_train.precision import apex_amp_or_error
-            apex_amp_or_error()
+
+    def check_precision_choice(self) -> None:
+        """--precision is one of PRECISIONS; apex's O2 is refused with a pointer to its own script (O2Config, which
+        takes only O2_PRECISIONS, overrides this)."""
+        allowed = ", ".join(PRECISIONS)
+        if self.precision in O2_PRECISIONS:
+            raise UsageError("--precision", f"{self.precision} is apex's O2, its own lesson: run launch/apex_o2.py "
+                                            f"--precision {self.precision}", allowed)
+        if self.precision not in PRECISIONS:
+            raise UsageError("--precision", f"unknown precision {self.precision!r}", allowed)
 
     def input_shape(self) -> tuple:
         try:

@@ -57,6 +57,11 @@ LOOPS = (
     Loop("ddp", "single", "DDP", "DistributedDataParallel",
          "One process per device under torchrun, gradients all-reduced during backward (`launch/ddp.py`, "
          "docs/ddp.md)."),
+    Loop("apex_o2", "single", "O2", "apex's O2",
+         "apex's O2 written out (the first article's tip 7): an fp16 model with BatchNorm kept fp32, fp32 master "
+         "weights in the optimizer, a dynamic loss scale, the fp16 gradients unscaled into the masters and the "
+         "masters copied back after each step; `--precision apex-o2` lets apex.amp do it (`launch/apex_o2.py`, "
+         "docs/precision.md)."),
     Loop("zero", "ddp", "ZERO", "ZeRO sharding",
          "The DDP loop with optimizer state, gradients and parameters sharded across ranks by fairscale or "
          "torch (`launch/zero.py`, docs/zero.md). Its base is the DDP loop, so its diff shows ZeRO alone."),

@@ -67,18 +67,20 @@ def _one_step(cfg: FindConfig, device, train_ds, info, batch_size: int) -> None:
     """One real training step at `batch_size` (samples repeated if the set is smaller)."""
     from manual_train.models import build_model, loss_fn
     from manual_train.optim import build_optimizer
-    from manual_train.precision import autocast_for
+    from manual_train.precision import CastInputs, autocast_for, param_dtype
 
     idx = torch.arange(batch_size) % len(train_ds)
     x, y = torch.utils.data.default_collate([train_ds[int(i)] for i in idx])
     torch.manual_seed(cfg.seed)
-    model = build_model(cfg.model, info).to(device)
-    optimizer = build_optimizer(cfg, model.parameters(), cfg.lr)
-    scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "16-mixed")  # as loops/single.py
+    raw_model = build_model(cfg.model, info).to(param_dtype(cfg.precision)).to(device)  # as loops/single.py
+    model = CastInputs(raw_model) if cfg.precision == "64-true" else raw_model
+    optimizer = build_optimizer(cfg, raw_model.parameters(), cfg.lr)
+    scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "16-mixed")
     x, y = x.to(device), y.to(device)
     with autocast_for(cfg.precision, device)():
         loss = loss_fn(model(x), y)
     scaler.scale(loss).backward()
+    scaler.unscale_(optimizer)
     scaler.step(optimizer)
     scaler.update()
 

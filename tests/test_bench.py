@@ -337,8 +337,9 @@ def test_logging_idioms_sync_counts_on_cuda():
 @needs_cuda
 @pytest.mark.parametrize("precision, per_step", [("32-true", 0), ("16-mixed", 2), ("16-o2", 1)])
 def test_real_loop_syncs_per_non_log_step_on_cuda(precision, per_step):
-    """32-true: none. 16-mixed: GradScaler.step's found_inf.item() and Precision.step's get_scale() (which tells
-    whether the step was skipped). 16-o2: the overflow check's bool() of a device tensor."""
+    """32-true: none. 16-mixed (loops/single.py): GradScaler.step's found_inf.item() and Run.stepped's get_scale()
+    (which tells whether the step was skipped). 16-o2 (loops/apex_o2.py): the overflow check's .item(); its
+    scale lives on the host, so Run.stepped's get_scale() costs nothing."""
     r = gpu._loop_syncs_child(short_steps=4, long_steps=12, precision=precision)
     assert r["syncs"][12] - r["syncs"][4] == per_step * 8, r
 

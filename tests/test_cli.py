@@ -71,7 +71,8 @@ BAD_INPUT = [
     (["--resume", "{tmp}/missing.pt"], "--resume"),
     (["--model", "seq2seq"], "--model"),
     (["--synthetic-shape", "3,x,4", "--dataset", "synthetic"], "--synthetic-shape"),
-    (["--precision", "apex-o2"], "--precision"),
+    (["--precision", "apex-o2"], "--precision"),  # launch/apex_o2.py's (tests/test_apex_o2.py)
+    (["--precision", "16-o2"], "--precision"),
     (["--grad-clip", "-1"], "--grad-clip"),
     (["--unknown-flag"], "--unknown-flag"),
 ]

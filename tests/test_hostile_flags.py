@@ -19,8 +19,9 @@ from manual_train import config as config_module
 from manual_train import find_batch_size
 from manual_train.cli import run
 from manual_train.config import MAX_SEED, Config, parse_config
-from manual_train.loops import data_parallel, ddp, hybrid, model_parallel, single
+from manual_train.loops import apex_o2, data_parallel, ddp, hybrid, model_parallel, single
 from manual_train.loops import zero as zero_loop
+from manual_train.precision import O2Config
 
 # (script, module, config class): what launch/<script>.py passes to run(), with the module's DEFAULTS
 SCRIPTS = [
@@ -30,6 +31,7 @@ SCRIPTS = [
     ("hybrid", hybrid, hybrid.HybridConfig),
     ("ddp", ddp, ddp.DDPConfig),
     ("zero", zero_loop, zero_loop.ZeroConfig),
+    ("apex_o2", apex_o2, O2Config),
 ]
 
 
@@ -82,10 +84,6 @@ NUMBERS = [
     (["--early-stop-min-delta", "inf"], "--early-stop-min-delta", "inf is not a finite number"),
     (["--loss-scale-init", "inf"], "--loss-scale-init", "inf is not a finite number"),
     (["--loss-scale-init", "1e30"], "--loss-scale-init", "1e+30 is out of range (allowed: >= 1 and <= 2**64)"),
-    (["--loss-scale-max", "nan"], "--loss-scale-max", "nan is not a finite number"),
-    (["--loss-scale-max", "1e39"], "--loss-scale-max", "1e+39 is out of range (allowed: >= 1 and <= 2**64)"),
-    (["--precision", "16-o2", "--loss-scale-init", "1e8"], "--loss-scale-init",
-     "1e+08 is above --loss-scale-max 2**24 (allowed: <= 2**24)"),
     (["--seed", "99999999999"], "--seed", "99999999999 is out of range (allowed: >= 0 and <= 2147483647)"),
     (["--seed", str(MAX_SEED + 1)], "--seed", "2147483648 is out of range"),
     (["--seed", "-1"], "--seed", "-1 is out of range"),
@@ -98,6 +96,25 @@ NUMBERS = [
 def test_bad_numbers_are_one_line_exit_2(argv, flag, text, empty_cwd, capsys):
     out = empty_cwd / "run"
     assert run_cli(argv + ["--out-dir", str(out)]) == 2
+    line = assert_one_line(capsys.readouterr().err, flag)
+    assert line.startswith(f"error: {flag}: {text}"), line
+    assert_nothing_written(empty_cwd)
+
+
+# apex's O2 flags, through launch/apex_o2.py (the only script that takes --precision 16-o2 and --loss-scale-max)
+O2_NUMBERS = [
+    (["--loss-scale-max", "nan"], "--loss-scale-max", "nan is not a finite number"),
+    (["--loss-scale-max", "1e39"], "--loss-scale-max", "1e+39 is out of range (allowed: >= 1 and <= 2**64)"),
+    (["--precision", "16-o2", "--loss-scale-init", "1e8"], "--loss-scale-init",
+     "1e+08 is above --loss-scale-max 2**24 (allowed: <= 2**24)"),
+    (["--loss-scale-init", "1e8"], "--loss-scale-init", "1e+08 is above --loss-scale-max 2**24"),  # the default
+]
+
+
+@pytest.mark.parametrize("argv,flag,text", O2_NUMBERS, ids=[" ".join(a) for a, _, _ in O2_NUMBERS])
+def test_bad_o2_numbers_are_one_line_exit_2(argv, flag, text, empty_cwd, capsys):
+    assert run_cli(argv + ["--out-dir", str(empty_cwd / "run")], script="apex_o2", module=apex_o2,
+                   config_cls=O2Config) == 2
     line = assert_one_line(capsys.readouterr().err, flag)
     assert line.startswith(f"error: {flag}: {text}"), line
     assert_nothing_written(empty_cwd)

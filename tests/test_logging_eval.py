@@ -12,7 +12,7 @@ from conftest import make_cfg
 from manual_train import data, models
 from manual_train.evaluation import evaluate
 from manual_train.loops import single
-from manual_train.precision import Precision
+from manual_train.precision import autocast_for
 
 
 class _Sentinel:
@@ -92,11 +92,11 @@ def test_evaluation_builds_no_graph_and_restores_the_mode(trained, mode):
     model.register_forward_hook(lambda m, i, out: seen.append(
         (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), out.requires_grad, m.training)))
     loader = data.build_loader(val_ds, cfg, torch.device("cpu"), batch_size=64)
-    amp = Precision(cfg, torch.device("cpu"))
+    autocast = autocast_for(cfg.precision, torch.device("cpu"))
     for was_training in (True, False):
         model.train(was_training)
         seen.clear()
-        loss_sum, correct, count = evaluate(model, loader, torch.device("cpu"), amp, mode)
+        loss_sum, correct, count = evaluate(model, loader, torch.device("cpu"), autocast, mode)
         assert model.training is was_training
         assert len(seen) == 5 and all(grad is False and out_grad is False and training is False
                                       for grad, _, out_grad, training in seen)
@@ -112,9 +112,9 @@ def test_validation_metrics_are_exact_sums_not_a_mean_of_batch_means(trained):
         logits = model(x)  # all 297 samples at once: the reference
     ref_loss = F.cross_entropy(logits, y, reduction="sum").item() / 297
     ref_acc = (logits.argmax(1) == y).sum().item() / 297
-    amp = Precision(cfg, torch.device("cpu"))
+    autocast = autocast_for(cfg.precision, torch.device("cpu"))
     loader = data.build_loader(val_ds, cfg, torch.device("cpu"), batch_size=64)  # 4 x 64 + 41
-    loss_sum, correct, count = evaluate(model, loader, torch.device("cpu"), amp)
+    loss_sum, correct, count = evaluate(model, loader, torch.device("cpu"), autocast)
     assert (loss_sum / count).item() == pytest.approx(ref_loss, rel=1e-6)
     assert (correct / count).item() == ref_acc
     # the check can fail: the mean of per-batch means weights the 41-sample batch like the others

@@ -393,7 +393,7 @@ def _eval_child(mode: str, samples: int, batch_size: int) -> dict:
     from manual_train.bench.harness import peak_rss_delta
     from manual_train.evaluation import evaluate
     from manual_train.models import build_model
-    from manual_train.precision import Precision
+    from manual_train.precision import autocast_for
 
     cpu = torch.device("cpu")
     cfg = _config(*EVAL_ARGS, "--synthetic-size", str(4 * samples), "--eval-batch-size", str(batch_size))
@@ -403,11 +403,10 @@ def _eval_child(mode: str, samples: int, batch_size: int) -> dict:
     loader = data.build_loader(TensorDataset(torch.stack(xs), torch.tensor(ys)), cfg, cpu, batch_size=batch_size)
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, info)
-    amp = Precision(cfg, cpu)
     if mode == "grad":
         run = functools.partial(evaluate_with_grad, model, loader, cpu)
     else:
-        run = functools.partial(evaluate, model, loader, cpu, amp, mode)
+        run = functools.partial(evaluate, model, loader, cpu, autocast_for(cfg.precision, cpu), mode)
     run()  # warm-up: kernels and thread pools initialised outside the measurement
     t0 = time.perf_counter()
     (loss_sum, _, count), delta = peak_rss_delta(run)
@@ -528,9 +527,19 @@ PRECISION_ARGS = ("--dataset", "synthetic", "--synthetic-size", "640", "--synthe
 
 
 def _precision_window_s(precision: str, first: int, last: int) -> float:
+    """One run's steps first+1..last: 16-o2 in its own loop (loops/apex_o2.py), the others in loops/single.py."""
+    from manual_train.config import O2_PRECISIONS, parse_config
+    from manual_train.loops import apex_o2
+    from manual_train.precision import O2Config
+
+    argv = (*PRECISION_ARGS, "--precision", precision, "--max-steps", str(last))
     with tempfile.TemporaryDirectory() as tmp:
-        _train(Path(tmp) / "run", *PRECISION_ARGS, "--precision", precision, "--max-steps", str(last))
-        return _csv_window_s(Path(tmp) / "run" / "metrics.csv", first, last)
+        run_dir = Path(tmp) / "run"
+        if precision in O2_PRECISIONS:
+            apex_o2.train(parse_config(O2Config, [*argv, "--no-progress", "--out-dir", str(run_dir)]))
+        else:
+            _train(run_dir, *argv)
+        return _csv_window_s(run_dir / "metrics.csv", first, last)
 
 
 def _precision_cpu_child(precisions: tuple, repeats: int, first: int, last: int) -> dict:
@@ -556,12 +565,12 @@ ZERO_CONFIGS = (("ddp", 0), ("torch", 1), ("torch", 2), ("torch", 3), ("fairscal
 
 
 def _zero_child(world_sizes: tuple, configs: tuple) -> dict:
-    from manual_train import zero
+    from manual_train.bench.zero_memory import measure_per_rank_bytes
 
-    # zero.measure_per_rank_bytes starts N gloo processes, takes one AdamW step of each config in them and
-    # reads the storage each rank holds afterwards (manual_train/zero.py: per_rank_bytes)
+    # measure_per_rank_bytes starts N gloo processes, takes one AdamW step of each config in them and reads the
+    # storage each rank holds afterwards (manual_train/bench/zero_memory.py: per_rank_bytes)
     # fork: the ranks start from this fresh process (torch already imported) instead of 4 new pythons
-    return {str(n): zero.measure_per_rank_bytes(n, "cnn", "adamw", configs=configs, start_method="fork")
+    return {str(n): measure_per_rank_bytes(n, "cnn", "adamw", configs=configs, start_method="fork")
             for n in world_sizes}
 
 
@@ -592,9 +601,9 @@ def zero_memory(bench: Bench) -> Outcome:
                                   f"per-rank bytes, params + grads + AdamW state (cnn, {result['psi']:,} params)",
                                   [x["total"] for x in ddp["per_rank"]],
                                   [x["total"] for x in r["per_rank"]], claim=f"ZeRO paper's formula: {predicted:.3f}"))
-    notes.append("Storage held between steps, one value per rank, counted by manual_train.zero.per_rank_bytes "
-                 "(communication buckets and activations are not in it). fairscale's OSS shards whole tensors, so "
-                 "its ranks differ; torch's stage 2 (FSDP2, reshard_after_forward=False) reshards after backward, so "
+    notes.append("Storage held between steps, one value per rank, counted by "
+                 "manual_train.bench.zero_memory.per_rank_bytes (communication buckets and activations are not in "
+                 "it). fairscale's OSS shards whole tensors, so its ranks differ; torch's stage 2 (FSDP2, reshard_after_forward=False) reshards after backward, so "
                  "between steps it holds what stage 3 holds and differs only between forward and backward.")
     return Outcome(rows, raw, notes)
 

@@ -121,7 +121,8 @@ def build_bench_model(name: str, size: str = "quick", image_side: int = 224):
 
 
 def make_step(model, precision: str, device, x, y, lr: float = 0.01):
-    """One training step with the precision machinery loops.single uses (manual_train.precision).
+    """One training step as the loops take it: torch.amp inline (loops/single.py), or apex's O2 written out
+    (loops/apex_o2.py) for 16-o2.
 
     tf32 is 32-true with TF32 switched on (set_tf32, by the caller, before each block). Returns
     (step, the optimizer's parameters); step() queues the work and returns without a host sync,
@@ -130,20 +131,54 @@ def make_step(model, precision: str, device, x, y, lr: float = 0.01):
     import torch
 
     from manual_train.models import loss_fn
-    from manual_train.precision import Precision
+    from manual_train.precision import autocast_for
 
-    amp = Precision(_config("--precision", "32-true" if precision == "tf32" else precision), device)
-    model, params = amp.prepare(model)
+    if precision == "16-o2":
+        return _o2_step(model, x, y, lr)
+    autocast = autocast_for("32-true" if precision == "tf32" else precision, device)
+    scaler = torch.amp.GradScaler(device.type, enabled=precision == "16-mixed")
+    params = list(model.parameters())
     optimizer = torch.optim.SGD(params, lr=lr, momentum=0.9)
 
     def step():
         optimizer.zero_grad(set_to_none=True)
-        with amp.autocast():
+        with autocast():
             loss = loss_fn(model(x), y)
-        amp.backward(loss, optimizer, True)
-        amp.unscale_(optimizer)
-        amp.step(optimizer)
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
+        scaler.step(optimizer)
+        scaler.update()
     return step, params
+
+
+def _o2_step(model, x, y, lr: float):
+    """make_step for 16-o2: loops/apex_o2.py's step (fp16 model, fp32 masters, apex's dynamic loss scale)."""
+    import torch
+
+    from manual_train.models import loss_fn
+    from manual_train.precision import DynamicLossScaler, O2Forward, cast_o2
+
+    model_params = [p for p in model.parameters() if p.requires_grad]
+    master_params = [torch.nn.Parameter(p.detach().clone()) for p in model_params]
+    model = O2Forward(cast_o2(model))
+    optimizer = torch.optim.SGD(master_params, lr=lr, momentum=0.9)
+    scaler = DynamicLossScaler()
+
+    def step():
+        optimizer.zero_grad()
+        (loss_fn(model(x), y) * scaler.scale).backward()
+        for p, master in zip(model_params, master_params):
+            master.grad = None if p.grad is None else p.grad.float().mul_(1.0 / scaler.scale)
+            p.grad = None
+        grads = [m.grad for m in master_params if m.grad is not None]
+        found_inf = bool(grads) and not torch.stack([g.isfinite().all() for g in grads]).all().item()  # the sync
+        if not found_inf:
+            optimizer.step()
+            with torch.no_grad():
+                for p, master in zip(model_params, master_params):
+                    p.copy_(master)
+        scaler.update(found_inf)
+    return step, master_params
 
 
 # ---------------------------------------------------------------------- precision x layout x model
@@ -321,7 +356,7 @@ def _syncs_per_step_child(steps: int, log_every: int, precision: str = "32-true"
     import torch
 
     from manual_train.models import MLP, correct_count, loss_fn
-    from manual_train.precision import Precision
+    from manual_train.precision import autocast_for
 
     device = torch.device(device)
     cuda = device.type == "cuda"
@@ -331,19 +366,19 @@ def _syncs_per_step_child(steps: int, log_every: int, precision: str = "32-true"
     for variant in SYNC_VARIANTS:
         torch.manual_seed(0)
         model = MLP((1, 8, 8), 10).to(device)
-        amp = Precision(_config("--precision", precision), device)
-        model, params = amp.prepare(model)
-        optimizer = torch.optim.SGD(params, lr=0.01, momentum=0.9)
+        autocast = autocast_for(precision, device)
+        scaler = torch.amp.GradScaler(device.type, enabled=precision == "16-mixed")
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         losses = []
         loss_sum = torch.zeros((), device=device)
         correct_sum = torch.zeros((), device=device)
 
         def step(i):
             optimizer.zero_grad(set_to_none=True)
-            with amp.autocast():
+            with autocast():
                 logits = model(x)
                 loss = loss_fn(logits, y)
-            amp.backward(loss, optimizer, True)
+            scaler.scale(loss).backward()
             if variant == "item":
                 losses.append(loss.item())
             elif variant == "append":
@@ -351,8 +386,9 @@ def _syncs_per_step_child(steps: int, log_every: int, precision: str = "32-true"
             else:
                 loss_sum.add_(loss.detach())
                 correct_sum.add_(correct_count(logits.detach(), y))
-            amp.unscale_(optimizer)
-            amp.step(optimizer)
+            scaler.unscale_(optimizer)
+            scaler.step(optimizer)
+            scaler.update()
             if variant == "ours" and (i + 1) % log_every == 0:
                 losses.append((loss_sum / log_every).item())  # the log step's host sync
                 loss_sum.zero_(), correct_sum.zero_()
@@ -365,7 +401,8 @@ def _syncs_per_step_child(steps: int, log_every: int, precision: str = "32-true"
 
 
 def _loop_syncs_child(short_steps: int, long_steps: int, precision: str, device: str = "cuda") -> dict:
-    """Syncs of the real loops.single.train in two runs that differ only in their number of non-log steps.
+    """Syncs of the real loop's train (loops.single; loops.apex_o2 for 16-o2) in two runs that differ only in their
+    number of non-log steps.
 
     Both runs log once (their last step), evaluate once and checkpoint once, so the difference in syncs,
     divided by the difference in steps, is what one non-log step of the real loop costs.
@@ -375,16 +412,24 @@ def _loop_syncs_child(short_steps: int, long_steps: int, precision: str, device:
 
     import torch
 
-    from manual_train.loops.single import train
+    from manual_train.config import O2_PRECISIONS, Config, parse_config
+    from manual_train.loops import apex_o2, single
+    from manual_train.precision import O2Config
+
+    o2 = precision in O2_PRECISIONS
+    train = apex_o2.train if o2 else single.train
+
+    def config(*argv):
+        return parse_config(O2Config if o2 else Config, list(argv))
 
     counts = {}
     args = ("--dataset", "synthetic", "--synthetic-size", "4096", "--synthetic-shape", "3,32,32", "--model", "cnn",
             "--batch-size", "64", "--log-every", "100000", "--early-stop-patience", "0", "--precision", precision,
             "--device", device, "--no-progress")
     with tempfile.TemporaryDirectory() as tmp:
-        train(_config(*args, "--max-steps", "2", "--out-dir", str(Path(tmp) / "warmup")))
+        train(config(*args, "--max-steps", "2", "--out-dir", str(Path(tmp) / "warmup")))
         for steps in (short_steps, long_steps):
-            cfg = _config(*args, "--max-steps", str(steps), "--out-dir", str(Path(tmp) / f"run{steps}"))
+            cfg = config(*args, "--max-steps", str(steps), "--out-dir", str(Path(tmp) / f"run{steps}"))
             counts[steps] = count_syncs(functools.partial(train, cfg)) if torch.device(device).type == "cuda" \
                 else None
     return {"short_steps": short_steps, "long_steps": long_steps, "syncs": counts}
@@ -403,11 +448,12 @@ def syncs(bench: Bench) -> Outcome:
         r = bench.child(_loop_syncs_child, short_steps=10, long_steps=40, precision=precision)
         raw[f"loop {precision}"] = r
         per_step = (r["syncs"][40] - r["syncs"][10]) / 30
-        rows.append(value_row(bench.entry, "-", f"loops.single.train, {precision}",
+        loop = "apex_o2" if precision == "16-o2" else "single"
+        rows.append(value_row(bench.entry, "-", f"loops.{loop}.train, {precision}",
                               "host syncs per non-log step (40- vs 10-step run)", [per_step], unit="syncs",
                               claim=CLAIM_SYNC, goal=Goal("<=", 0) if precision == "32-true" else None))
     notes = ["Mixed precision syncs by design: 16-mixed twice per step (GradScaler.step reads found_inf on the "
-             "host to decide whether to skip the step, and precision.Precision.step reads get_scale() to learn "
+             "host to decide whether to skip the step, and Run.stepped reads get_scale() to learn "
              "what it decided), 16-o2 once (its overflow check). Counted with torch.cuda.set_sync_debug_mode, "
              "which sees .item()/.cpu()/nonzero-style syncs but not torch.cuda.synchronize or collectives."]
     return Outcome(rows, raw, notes)

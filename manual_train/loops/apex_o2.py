@@ -1,0 +1,189 @@
+# >>> O2: the docstring shows this lesson's commands
+"""apex's O2 written out: an fp16 model, fp32 master weights, a dynamic loss scale (the first article's tip 7).
+
+    python launch/apex_o2.py                                    # 16-o2: cnn on digits, >= 0.95 val acc (fp16
+                                                                # convolutions are slow on CPUs: minutes on 2 cores)
+    python launch/apex_o2.py --model mlp --max-steps 120        # single.py --precision 16-mixed's trajectory, to
+                                                                # rounding (docs/precision.md)
+    python launch/apex_o2.py --precision apex-o2 --device cuda  # apex.amp itself (apex <= 25.05, from source)
+
+`diff manual_train/loops/single.py manual_train/loops/apex_o2.py` is the lesson; every changed line is marked O2:
+  the model ........ fp32 master copies of the weights cloned first, then the model cast to fp16 except BatchNorm
+                     (cast_o2); inputs cast to fp16, outputs to fp32 (O2Forward); the optimizer steps the masters
+  backward ......... the loss times the loss scale: fp16 gradients, accumulating scaled over the window
+  the step ......... the fp16 gradients to fp32, unscaled, into the masters; one host sync checks them for inf/NaN;
+                     a clean step steps the masters and copies them into the fp16 model, an overflow skips it; the
+                     scale (DynamicLossScaler) halves after an overflow and doubles after 2000 clean steps
+  checkpoints ...... the fp32 masters (O2Masters): a resume continues exactly, a 32-true run can load them
+--precision apex-o2 lets apex.amp (initialize, scale_loss) do all of this: the reference the lines write out. torch
+has no O2 of its own (its autocast, --precision 16-mixed on the other scripts, is apex's O1; docs/precision.md).
+The pieces and O2Config (--precision 16-o2 | apex-o2, --loss-scale-max) are in manual_train/precision.py.
+"""
+# <<< O2
+from __future__ import annotations
+
+import math
+
+import torch
+
+from manual_train import data
+from manual_train.config import Config
+from manual_train.evaluation import evaluate
+from manual_train.models import build_model, correct_count, loss_fn
+from manual_train.optim import build_optimizer, build_scheduler, scaled_lr
+# >>> O2: its flags (O2Config) and the small pieces it reuses (manual_train/precision.py)
+from manual_train.precision import (ApexScaler, DynamicLossScaler, O2Config, O2Forward, O2Masters, apex_amp_or_error,
+                                    autocast_for, cast_o2, param_dtype)
+# <<< O2
+from manual_train.run import Run
+from manual_train.runtime import resolve_device, seed_everything, set_deterministic
+
+SCRIPT = "apex_o2"  # O2
+
+
+def train(cfg: O2Config) -> dict:  # O2
+    # ------------------------------------------------------------------ setup
+    device = resolve_device(cfg.device)
+    seed_everything(cfg.seed)
+    set_deterministic(cfg.deterministic)
+    train_ds, val_ds, info = data.build_datasets(cfg)
+    sampler = data.train_sampler(train_ds, cfg.seed)  # DistributedSampler's order at world size 1
+    train_loader = data.build_loader(train_ds, cfg, device, batch_size=cfg.batch_size, sampler=sampler)
+    val_loader = data.build_loader(val_ds, cfg, device, batch_size=cfg.eval_batch_size)
+    n_train = len(sampler)
+    global_batch_size = cfg.batch_size * cfg.accumulate
+    micro_steps_per_epoch = data.micro_batches_per_epoch(n_train, cfg.batch_size)
+    steps_per_epoch = data.steps_per_epoch(n_train, cfg.batch_size, cfg.accumulate)
+    total_steps = cfg.max_steps or cfg.epochs * steps_per_epoch
+    num_epochs = math.ceil(total_steps / steps_per_epoch)
+    lr = scaled_lr(cfg, global_batch_size)
+    run = Run(cfg, SCRIPT, device=device, lr=lr, global_batch_size=global_batch_size, total_steps=total_steps,
+              micro_steps_per_epoch=micro_steps_per_epoch, datasets=(train_ds, val_ds))  # checks --resume
+
+    torch.manual_seed(cfg.seed)  # right before building: the same --seed gives the same weights in every loop
+    raw_model = build_model(cfg.model, info).to(param_dtype(cfg.precision)).to(device)  # moved once, never again
+    # >>> O2: fp32 master copies of the weights, cloned BEFORE the cast (apex cloned after it, rounding the initial
+    # weights once; cloning first keeps them). Then the model to fp16 except BatchNorm, whose running variance and
+    # reductions lose too much in fp16 (cast_o2); O2Forward casts its inputs to fp16 and its outputs to fp32, so the
+    # loss is computed in fp32. The optimizer steps the masters: 6 bytes per parameter, plus optimizer state.
+    amp = apex_amp_or_error() if cfg.precision == "apex-o2" else None
+    if amp:  # apex-o2: apex does all of this itself, and keeps its masters and copies them back itself
+        model, optimizer = amp.initialize(raw_model, build_optimizer(cfg, raw_model.parameters(), lr), opt_level="O2")
+        model_params = master_params = []
+    else:
+        model_params = [p for p in raw_model.parameters() if p.requires_grad]
+        master_params = [torch.nn.Parameter(p.detach().clone()) for p in model_params]
+        model = O2Forward(cast_o2(raw_model))
+        optimizer = build_optimizer(cfg, master_params, lr)
+    # <<< O2
+    scheduler = build_scheduler(cfg, optimizer, total_steps)
+    # >>> O2: no autocast (a context that changes nothing: the model itself is fp16). fp16 gradients of small losses
+    # underflow to zero, so the loss is multiplied by a scale before backward and the gradients divided by it
+    # after: apex's dynamic rule, 2**16 to start, halved after an overflow, doubled after 2000 clean steps, at most
+    # 2**24 (--loss-scale-*). Checkpoints hold the fp32 masters (O2Masters), not their rounded fp16 copy.
+    autocast = autocast_for(cfg.precision, device)
+    scaler = ApexScaler(amp) if amp else DynamicLossScaler(cfg.loss_scale_init, max_scale=cfg.loss_scale_max,
+                                                           growth_interval=cfg.loss_scale_growth_interval)
+    checkpointed = raw_model if amp else O2Masters(raw_model, model_params, master_params)
+    start_epoch, start_micro_step, step, samples_seen = run.start(
+        model=checkpointed, optimizer=optimizer, scheduler=scheduler, scaler=scaler)  # --resume loads into these
+    # <<< O2
+
+    # ------------------------------------------------------------------ training loop
+    # Running sums stay on the device: adding loss.detach() costs no host sync and keeps no graph.
+    loss_sum = torch.zeros((), device=device)
+    correct_sum = torch.zeros((), device=device)
+    log_steps = log_targets = 0
+    val_loss = val_acc = math.nan
+    epoch = start_epoch - 1  # epochs_run stays right when a finished run is resumed
+    for epoch in range(start_epoch, num_epochs):
+        # A new permutation every epoch (else every epoch repeats the first); a resumed epoch starts where its
+        # checkpoint stopped, micro-batch start_micro_step (the loader never loads the batches before it).
+        first = start_micro_step if epoch == start_epoch else 0
+        sampler.set_epoch(epoch, start=first * cfg.batch_size)
+        model.train()
+        for micro_step, (x, y) in enumerate(run.timed(train_loader), start=first):
+            # non_blocking=True: from pinned memory the copy is asynchronous and overlaps compute.
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            window_start = micro_step % cfg.accumulate == 0
+            window_end = (micro_step + 1) % cfg.accumulate == 0 or micro_step + 1 == micro_steps_per_epoch
+            if window_start:
+                optimizer.zero_grad()  # O2: apex's patched zero_grad() takes no arguments; set_to_none is the default
+            # Accumulation: weight each micro-batch's mean loss by its share of the window's samples, so the
+            # window's gradient is the mean over all its samples, as one big batch (also for the epoch's
+            # last, partial window, where dividing by K would shrink it; Lightning issue 19987).
+            weight = x.shape[0] / data.window_samples(n_train, cfg.batch_size, cfg.accumulate, micro_step)
+
+            with autocast():  # forward and loss only: backward runs in the dtypes forward chose
+                logits = model(x)
+                loss = loss_fn(logits, y)
+            # >>> O2: the scaled loss's backward: fp16 gradients on the fp16 model, accumulating scaled over the window
+            if amp:  # apex-o2: apex's context scales; at the window's end it unscales into its masters, checks for inf
+                with amp.scale_loss(loss * weight, optimizer, delay_unscale=not window_end) as scaled_loss:
+                    scaled_loss.backward()
+            else:
+                (loss * weight * scaler.scale).backward()
+            # <<< O2
+
+            # Logging without retained graphs: detach() drops autograd history, so nothing of this
+            # step's graph outlives the step (summing `loss` itself would chain every step's graph).
+            loss_sum += loss.detach() * weight
+            correct_sum += correct_count(logits.detach(), y)
+            log_targets += y.numel()
+            samples_seen += x.shape[0]
+
+            if window_end:
+                # >>> O2: unscale into the masters: each fp16 gradient converted to fp32 THEN divided by the scale (in
+                # fp16 the division could underflow the very values the scale protected); the model's are dropped
+                # (its zero_grad). One host sync per step: any inf/NaN skips it, decided on the host, as apex did.
+                # (apex-o2: both lists are empty; apex did all of this when its scale_loss context closed.)
+                for p, master in zip(model_params, master_params):
+                    master.grad = None if p.grad is None else p.grad.float().mul_(1.0 / scaler.scale)
+                    p.grad = None
+                grads = [m.grad for m in master_params if m.grad is not None]
+                found_inf = bool(grads) and not torch.stack([g.isfinite().all() for g in grads]).all().item()
+                # <<< O2
+                if cfg.grad_clip:
+                    # >>> O2: clip the fp32 masters' true (unscaled) gradients
+                    torch.nn.utils.clip_grad_norm_(amp.master_params(optimizer) if amp else master_params,
+                                                   cfg.grad_clip)
+                    # <<< O2
+                # >>> O2: step the fp32 masters and copy them into the fp16 model (copy_ rounds), unless a gradient
+                # overflowed; then the scale: halved after an overflow, doubled after growth_interval clean steps
+                if not found_inf:
+                    optimizer.step()  # apex-o2: apex's patched step() skips itself after an overflow, copies back
+                    with torch.no_grad():
+                        for p, master in zip(model_params, master_params):
+                            p.copy_(master)
+                scaler.update(found_inf)
+                # <<< O2
+                if run.stepped(scaler):  # a skipped step does not advance the schedule (Lightning's does)
+                    scheduler.step()
+                step += 1
+                log_steps += 1
+                if step % cfg.log_every == 0 or micro_step + 1 == micro_steps_per_epoch or step == total_steps:
+                    # .item() is a host sync: it waits for every queued kernel. Here once per log row.
+                    train_loss = (loss_sum / log_steps).item()
+                    train_acc = correct_sum.item() / log_targets
+                    run.log_train(step, epoch, train_loss, train_acc, scheduler.get_last_lr()[0], samples_seen,
+                                  log_steps)  # metrics.csv; a NaN loss stops the run here
+                    loss_sum.zero_(), correct_sum.zero_()
+                    log_steps = log_targets = 0
+                if step == total_steps:
+                    break
+
+        # -------------------------------------------------------------- evaluate, stop early, checkpoint
+        if (epoch + 1) % cfg.eval_every == 0 or epoch + 1 == num_epochs or step == total_steps:
+            loss_total, correct, count = evaluate(model, val_loader, device, autocast, cfg.eval_mode)
+            val_loss, val_acc = (loss_total / count).item(), (correct / count).item()  # host sync, once per eval
+            run.log_val(step, epoch, val_loss, val_acc, scheduler.get_last_lr()[0])  # and early stopping
+        run.save(epoch, micro_step + 1, step, samples_seen)  # last.pt every epoch (best.pt), atomically
+        if run.should_stop(step):  # early stopping, or every step done
+            break
+
+    # ------------------------------------------------------------------ teardown
+    restored = run.restore_best()  # --restore-best: best.pt's weights back into raw_model
+    if restored:
+        loss_total, correct, count = evaluate(model, val_loader, device, autocast, cfg.eval_mode)
+        val_loss, val_acc = (loss_total / count).item(), (correct / count).item()
+    return run.finish(epoch, step, samples_seen, val_loss, val_acc, restored=restored)  # summary.json
