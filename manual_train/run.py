@@ -84,6 +84,9 @@ class Run:
             # checkpoint of another world size holds rank 0's streams only: every rank takes those).
             per_rank = ckpt.get("rng_per_rank", [])
             restore_rng(per_rank[env.rank] if len(per_rank) == env.world_size else ckpt["rng"])
+        # what stepped() compares the first step's scale with: a skip there leaves it below this (GradScaler before
+        # its first step returns its initial or loaded scale without a host sync; disabled, 1)
+        self._last_scale = scaler.get_scale()
         # The default folder name holds a timestamp that ranks could read a second apart: rank 0 picks it, the
         # others take its choice (for --restore-best and messages); rank 0 alone writes there.
         choice = [self.cfg.run_dir(self.script) if env.master_process else None]
@@ -108,8 +111,6 @@ class Run:
         same kind of scaler, so another precision's is not loaded."""
         if state.get("scaler") and state.get("precision") == self.cfg.precision:
             scaler.load_state_dict(state["scaler"])
-            if isinstance(scaler, torch.amp.GradScaler) and scaler.is_enabled():
-                self._last_scale = scaler.get_scale()
         self.skipped_steps = int(state.get("skipped_steps", 0))
 
     def print(self, *parts) -> None:
