@@ -132,8 +132,8 @@ def restart_safe_store(env: DistEnv, timeout: datetime.timedelta):
 # imported by the first DDP(...), through torch._dynamo; torch.distributed.optim by ZeroRedundancyOptimizer and
 # FSDP2; fairscale.optim by OSS and ShardedGradScaler). Imported before init_process_group, they hold None, which
 # every collective reads as "the default group at call time".
-GROUP_DEFAULT_MODULES = ("torch.distributed.nn", "torch.distributed.optim", "torch.distributed.fsdp.sharded_grad_scaler",
-                         "fairscale.optim")
+GROUP_DEFAULT_MODULES = ("torch.distributed.nn", "torch.distributed.optim",
+                         "torch.distributed.fsdp.sharded_grad_scaler", "fairscale.optim")
 
 
 def import_group_defaults() -> None:

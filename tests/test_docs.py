@@ -70,10 +70,6 @@ def test_stats_count_code_lines_and_the_marked_share(tmp_path):
     assert st["tagged_share"] == pytest.approx(2 / 3)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 13 (lessons you can read in one sitting) is not done: the DDP, "
-                                       "hybrid and ZeRO loops and the baseline's train() are over budget; "
-                                       "remove this marker when they are within it (strict: an unexpected pass "
-                                       "fails, so the marker cannot outlive the work)")
 def test_every_lesson_is_within_its_budget():
     """python -m manual_train.docs --stats: each parallel loop <= 90 changed code lines against its parent, >= 80%
     of its added lines marked with its tag, no loop file over 300 lines, the baseline's train() <= 120 code lines,

@@ -29,8 +29,9 @@ def test_model_parallelism_on_one_gpu_equals_the_baseline(tmp_path, microbatches
 
 @needs_cuda(1)
 @pytest.mark.parametrize("impl", ["torch", "explicit"])
-def test_hybrid_dp_mp_on_one_gpu_equals_the_baseline(tmp_path, impl):
-    """dp-mp with --devices cuda:0,cuda:0: a data-parallel group of one device for each half."""
+def test_hybrid_dp_mp_on_one_gpu_equals_the_baseline(tmp_path, impl, lone_process):
+    """dp-mp with --devices cuda:0,cuda:0: a data-parallel group of one device for each half (and, as every
+    hybrid run, a process group of one: lone_process keeps a torchrun environment out)."""
     base, _ = train_state(single, Config, tmp_path, "s", device="cuda:0", **SEQ)
     state, _ = train_state(hybrid, hybrid.HybridConfig, tmp_path, "h", mode="dp-mp", impl=impl,
                            devices="cuda:0,cuda:0", **SEQ)
