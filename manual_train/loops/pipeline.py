@@ -1,0 +1,195 @@
+# >>> PIPE: the docstring shows torchrun's commands
+"""Pipeline parallelism under torchrun: the GPT's blocks split into consecutive stages, one per rank, each batch cut
+into micro-batches that flow through them (docs/pipeline.md).
+
+    torchrun --nproc_per_node=2 launch/pipeline.py                    # 2 stages, GPipe with send/recv, 4 micro-batches
+    torchrun --nproc_per_node=2 launch/pipeline.py --batch-size 30    # the weights of: (30 = 8+8+7+7, exactly)
+    python launch/single.py --model gpt --dataset reverse --optimizer adamw --lr 3e-3 --batch-size 30
+    torchrun --nproc_per_node=2 launch/pipeline.py --impl torch --pipeline-schedule 1f1b --microbatches 8
+    torchrun --nproc_per_node=2 launch/pipeline.py --impl torch --pipeline-schedule interleaved-1f1b  # 2 per rank
+    python launch/pipeline.py                                         # one stage: the baseline in micro-batches
+
+`diff manual_train/loops/single.py manual_train/loops/pipeline.py` is the lesson; every changed line is marked PIPE:
+  setup ............ the process group as in loops/ddp.py; every rank loads the same batches (stage 0 uses x, the
+                     last stage y): no data parallelism, so the baseline's sampler is unchanged
+  the model ........ built whole from the seed on every rank (the baseline's weights), then cut: each rank keeps its
+                     stage (pipelining.Pipeline); state_dict() gathers the full GPT, so checkpoints are the baseline's
+  the step ......... raw_model.step: forward and backward of every micro-batch, each loss weighted by its share of
+                     the batch, so the gradient is the baseline's also for a batch that does not split evenly
+  before the step .. the tied embedding/head gradient summed across the first and last stage; clipping's norm
+                     all-reduced over the stages
+  logging .......... the loss and accuracy live on the last stage: all_sum gives every rank its numbers
+The schedules (GPipe written out; torch.distributed.pipelining's gpipe, 1f1b, interleaved-1f1b), the split and the
+checks (--stages, --dp, 16-mixed) are manual_train/pipelining.py's. DEFAULTS: the GPT on the reverse task (docs/gpt.md).
+"""
+# <<< PIPE
+from __future__ import annotations
+
+import math
+
+import torch
+
+from manual_train import data
+from manual_train.config import Config
+from manual_train.distributed import DistEnv, all_sum, pick_device, read_env, setup, teardown  # PIPE
+from manual_train.evaluation import evaluate
+from manual_train.models import build_model  # PIPE: the loss and its accuracy are the last stage's (pipelining)
+from manual_train.optim import build_optimizer, build_scheduler, scaled_lr
+from manual_train.pipelining import Pipeline, PipelineConfig  # PIPE
+from manual_train.precision import CastInputs, autocast_for, param_dtype
+from manual_train.run import Run
+from manual_train.runtime import seed_everything, set_deterministic  # PIPE: pick_device, not resolve_device
+
+SCRIPT = "pipeline"  # PIPE
+# >>> PIPE: the model the pipeline splits, on its task (docs/gpt.md): 0.999 val acc after 4 epochs, as the baseline
+DEFAULTS = dict(model="gpt", dataset="reverse", optimizer="adamw", lr=3e-3, epochs=4)
+__all__ = ["DEFAULTS", "PipelineConfig", "train"]
+# <<< PIPE
+
+
+def train(cfg: PipelineConfig) -> dict:  # PIPE: the pipeline's flags (pipelining.PipelineConfig)
+    # ------------------------------------------------------------------ setup
+    # >>> PIPE: the process group as in loops/ddp.py (a group of one under plain python), left on every exit path
+    env = read_env()
+    device = pick_device(cfg.device, env)
+    setup(env, device, cfg.backend, cfg.dist_timeout_s)
+    try:
+        return train_rank(cfg, env, device)
+    finally:
+        teardown()
+
+
+def train_rank(cfg: PipelineConfig, env: DistEnv, device: torch.device) -> dict:
+    # <<< PIPE
+    seed_everything(cfg.seed)
+    set_deterministic(cfg.deterministic)
+    torch.autograd.set_detect_anomaly(cfg.detect_anomaly)  # --detect-anomaly: backward names the op that made a NaN
+    train_ds, val_ds, info = data.build_datasets(cfg)
+    sampler = data.train_sampler(train_ds, cfg.seed)  # DistributedSampler's order at world size 1
+    train_loader = data.build_loader(train_ds, cfg, device, batch_size=cfg.batch_size, sampler=sampler)
+    val_loader = data.build_loader(val_ds, cfg, device, batch_size=cfg.eval_batch_size)
+    n_train = data.limit_train(len(sampler), cfg)  # --limit-train-batches (--fast-dev-run: 1): the epoch's samples
+    global_batch_size = cfg.batch_size * cfg.accumulate
+    micro_steps_per_epoch = data.micro_batches_per_epoch(n_train, cfg.batch_size)
+    steps_per_epoch = data.steps_per_epoch(n_train, cfg.batch_size, cfg.accumulate)
+    total_steps = cfg.max_steps or cfg.epochs * steps_per_epoch
+    num_epochs = math.ceil(total_steps / steps_per_epoch)
+    lr = scaled_lr(cfg, global_batch_size)
+    run = Run(cfg, SCRIPT, device=device, lr=lr, global_batch_size=global_batch_size, total_steps=total_steps,
+              micro_steps_per_epoch=micro_steps_per_epoch, datasets=(train_ds, val_ds), env=env,  # PIPE
+              replicas=1)  # PIPE: rank 0 writes; the stages share every batch: one data-parallel replica
+
+    torch.manual_seed(cfg.seed)  # right before building: the same --seed gives the same weights in every loop
+    raw_model = build_model(cfg.model, info, cfg.dropout).to(param_dtype(cfg.precision)).to(device)  # moved once
+    # >>> PIPE: every rank built the whole model from the seed (the baseline's weights) and keeps its stage of it;
+    # the other layers are freed. Its state_dict() gathers every stage's: a checkpoint is the full GPT's.
+    raw_model = Pipeline(raw_model, cfg, env, device)
+    # <<< PIPE
+    model = CastInputs(raw_model) if cfg.precision == "64-true" else raw_model  # 64-true: float64 inputs too
+    optimizer = build_optimizer(cfg, raw_model.parameters(), lr)
+    scheduler = build_scheduler(cfg, optimizer, total_steps)
+    # torch.amp: autocast runs forward and loss in float16 (16-mixed) or bfloat16 (bf16-mixed) where that is safe.
+    # fp16 gradients of small losses underflow to zero, so 16-mixed multiplies the loss by a large scale before
+    # backward and divides the gradients by it after; bf16 has fp32's range and needs no scaling. Disabled, the
+    # GradScaler passes everything through (scale 1).
+    autocast = autocast_for(cfg.precision, device)
+    scaler = torch.amp.GradScaler(device.type, init_scale=cfg.loss_scale_init, enabled=cfg.precision == "16-mixed",
+                                  growth_interval=cfg.loss_scale_growth_interval)
+    start_epoch, start_micro_step, step, samples_seen = run.start(  # PIPE: wrap_optimizer gathers every stage's
+        model=raw_model, optimizer=raw_model.wrap_optimizer(optimizer), scheduler=scheduler, scaler=scaler)  # PIPE
+    run.print(f"pipeline: {raw_model}")  # PIPE
+
+    # ------------------------------------------------------------------ training loop
+    # Running sums stay on the device: adding loss.detach() costs no host sync and keeps no graph.
+    loss_sum = torch.zeros((), device=device)
+    correct_sum = torch.zeros((), device=device)
+    log_steps = log_targets = 0
+    val_loss = val_acc = math.nan
+    epoch = start_epoch - 1  # epochs_run stays right when a finished run is resumed
+    for epoch in range(start_epoch, num_epochs):
+        # A new permutation every epoch (else every epoch repeats the first); a resumed epoch starts where its
+        # checkpoint stopped, micro-batch start_micro_step (the loader never loads the batches before it).
+        first = start_micro_step if epoch == start_epoch else 0
+        sampler.set_epoch(epoch, start=first * cfg.batch_size)
+        model.train()
+        for micro_step, (x, y) in enumerate(run.timed(train_loader), start=first):
+            # non_blocking=True: from pinned memory the copy is asynchronous and overlaps compute.
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            window_start = micro_step % cfg.accumulate == 0
+            window_end = (micro_step + 1) % cfg.accumulate == 0 or micro_step + 1 == micro_steps_per_epoch
+            if window_start:
+                optimizer.zero_grad(set_to_none=True)  # gradients accumulate over the window's micro-batches
+            # Accumulation: weight each micro-batch's mean loss by its share of the window's samples, so the
+            # window's gradient is the mean over all its samples, as one big batch (also for the epoch's
+            # last, partial window, where dividing by K would shrink it; Lightning issue 19987).
+            weight = x.shape[0] / data.window_samples(n_train, cfg.batch_size, cfg.accumulate, micro_step)
+
+            # >>> PIPE: forward and backward of every micro-batch through the stages (the schedule); the gradients
+            # add up to (loss * weight)'s, as the baseline's backward. loss and correct: the last stage's, 0 elsewhere.
+            loss, correct = raw_model.step(x, y, weight, autocast)
+            # <<< PIPE
+
+            # Logging without retained graphs: detach() drops autograd history, so nothing of this
+            # step's graph outlives the step (summing `loss` itself would chain every step's graph).
+            loss_sum += loss.detach() * weight
+            correct_sum += correct  # PIPE: counted on the last stage
+            log_targets += y.numel()
+            samples_seen += x.shape[0]
+
+            if window_end:
+                raw_model.reduce_tied_grads()  # PIPE: the embedding's and the head's gradients, summed (tied)
+                scaler.unscale_(optimizer)  # true gradients before clipping (a no-op when the scaler is off)
+                if cfg.grad_clip:
+                    raw_model.clip_grad_norm_(cfg.grad_clip)  # PIPE: the norm over every stage's gradients
+                if cfg.grad_clip_value:  # every element into [-v, v]: the direction changes (norm clipping keeps it)
+                    torch.nn.utils.clip_grad_value_(raw_model.parameters(), cfg.grad_clip_value)
+                scaler.step(optimizer)  # 16-mixed: skipped when the gradients hold inf/NaN
+                scaler.update()  # 16-mixed: halve the scale after a skip, double it after growth_interval clean steps
+                if run.stepped(scaler):  # a skipped step does not advance the schedule (Lightning's does)
+                    scheduler.step()
+                step += 1
+                log_steps += 1
+                run.profile(step)  # --profile: torch.profiler's schedule moves one optimizer step on
+                if step % cfg.log_every == 0 or micro_step + 1 == micro_steps_per_epoch or step == total_steps:
+                    # >>> PIPE: the last stage's sums, on every rank (the others add zeros): all log the same numbers
+                    # and stop together on a NaN. One small all-reduce per log row.
+                    loss_total, correct_total = all_sum(loss_sum, correct_sum, device=device)
+                    # .item() is a host sync: it waits for every queued kernel. Here once per log row.
+                    train_loss = (loss_total / log_steps).item()
+                    train_acc = correct_total.item() / log_targets
+                    # <<< PIPE
+                    run.log_train(step, epoch, train_loss, train_acc, scheduler.get_last_lr()[0], samples_seen,
+                                  log_steps)  # metrics.csv; a NaN loss stops the run here
+                    loss_sum.zero_(), correct_sum.zero_()
+                    log_steps = log_targets = 0
+                # --val-every-steps, --checkpoint-every-steps: validation and last.pt inside a long epoch too (the
+                # epoch's end has its own, below). A validation that improved is saved at once (best.pt), while the
+                # weights are the evaluated ones; a resume from here starts at the next micro-batch, exactly.
+                mid_epoch = micro_step + 1 < micro_steps_per_epoch and step < total_steps
+                if cfg.val_every_steps and step % cfg.val_every_steps == 0 and mid_epoch:
+                    loss_total, correct, count = evaluate(model, val_loader, device, autocast, cfg.eval_mode)
+                    val_loss, val_acc = (loss_total / count).item(), (correct / count).item()
+                    run.log_val(step, epoch, val_loss, val_acc, scheduler.get_last_lr()[0])  # and early stopping
+                save_due = cfg.checkpoint_every_steps and step % cfg.checkpoint_every_steps == 0
+                if (save_due or run.improved) and mid_epoch:
+                    run.save(epoch, micro_step + 1, step, samples_seen)  # last.pt mid-epoch (best.pt), atomically
+                # every step done, early stopping, --max-time; or the end of a --limit-train-batches epoch
+                if run.should_stop(step) or micro_step + 1 == micro_steps_per_epoch:
+                    break
+
+        # -------------------------------------------------------------- evaluate, stop early, checkpoint
+        # (not again at a step a mid-epoch validation has just evaluated, nor when stopping right after it)
+        if ((epoch + 1) % cfg.eval_every == 0 or epoch + 1 == num_epochs or run.stopping) and run.val_step != step:
+            loss_total, correct, count = evaluate(model, val_loader, device, autocast, cfg.eval_mode)
+            val_loss, val_acc = (loss_total / count).item(), (correct / count).item()  # host sync, once per eval
+            run.log_val(step, epoch, val_loss, val_acc, scheduler.get_last_lr()[0])  # and early stopping
+        run.save(epoch, micro_step + 1, step, samples_seen)  # last.pt every epoch (best.pt), atomically
+        if run.should_stop(step):  # early stopping, or every step done
+            break
+
+    # ------------------------------------------------------------------ teardown
+    restored = run.restore_best()  # --restore-best: best.pt's weights back into raw_model
+    if restored:
+        loss_total, correct, count = evaluate(model, val_loader, device, autocast, cfg.eval_mode)
+        val_loss, val_acc = (loss_total / count).item(), (correct / count).item()
+    return run.finish(epoch, step, samples_seen, val_loss, val_acc, restored=restored)  # summary.json
