@@ -11,9 +11,11 @@ from __future__ import annotations
 import datetime
 import gc
 import importlib
+import math
 import os
 import sys
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -196,6 +198,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
+POWERSGD_DEFAULTS = {"rank": 1, "start": 10}
+
+
 @dataclass
 class DDPConfig(Config):
     """The baseline's flags plus the process group's (torchrun's own flags go before the script name)."""
@@ -207,6 +213,31 @@ class DDPConfig(Config):
                                 min=0, min_exclusive=True, max=1e7)
     sync_bn: bool = arg(False, "convert BatchNorm layers to SyncBatchNorm: statistics over the global batch "
                                "(CUDA only)")
+    # DDP's own knobs (docs/ddp_knobs.md has what each buys and costs, measured)
+    bucket_cap_mb: Optional[float] = arg(None, "MiB per gradient bucket: each bucket is all-reduced as soon as its "
+                                               "gradients exist (default: torch's 25, with a first bucket of 1 MiB); "
+                                               "the same weights at any size", min=0, min_exclusive=True)
+    gradient_as_bucket_view: bool = arg(False, "make each .grad a view into its all-reduce bucket: one copy of the "
+                                               "gradients less; the same weights")
+    static_graph: bool = arg(False, "promise that every step uses the same parameters: DDP plans once, after the "
+                                    "first step; the same weights")
+    find_unused_parameters: bool = arg(False, "search every step's graph for parameters forward did not use (needed "
+                                              "when some are; costs a graph walk per step)")
+    comm_hook: str = arg("none", "what the gradient all-reduce sends: none (DDP's exact all-reduce), fp16 or bf16 "
+                                 "(half the bytes, lossy), powersgd (low-rank, lossy; on gloo only when every "
+                                 "gradient fits in one bucket)", choices=COMM_HOOKS)
+    powersgd_rank: Optional[int] = arg(None, "--comm-hook powersgd: rank of each gradient's approximation (default "
+                                             f"{POWERSGD_DEFAULTS['rank']})", min=1)
+    powersgd_start: Optional[int] = arg(None, "--comm-hook powersgd: exact all-reduces for this many optimizer steps "
+                                              f"first (default {POWERSGD_DEFAULTS['start']}; torch's is 1000)", min=2)
+
+    def knobs_set(self) -> list[str]:
+        """The flags of DDP's own knobs that this run sets (launch/zero.py refuses them: its wrappers are not built by
+        the DDP loop's constructor call)."""
+        given = {"--bucket-cap-mb": self.bucket_cap_mb is not None, "--static-graph": self.static_graph,
+                 "--gradient-as-bucket-view": self.gradient_as_bucket_view, "--comm-hook": self.comm_hook != "none",
+                 "--find-unused-parameters": self.find_unused_parameters}
+        return [flag for flag, set_ in given.items() if set_]
 
     def validate(self) -> None:
         super().validate()
@@ -218,6 +249,10 @@ class DDPConfig(Config):
             # torch: "SyncBatchNorm layers only work with GPU modules" (raised in forward, after set-up)
             raise UsageError("--sync-bn", "SyncBatchNorm runs on CUDA devices only; this run uses the CPU",
                              "--no-sync-bn, or --device cuda")
+        for flag, value in (("--powersgd-rank", self.powersgd_rank), ("--powersgd-start", self.powersgd_start)):
+            if value is not None and self.comm_hook != "powersgd":
+                raise UsageError(flag, f"is PowerSGD's; this run uses --comm-hook {self.comm_hook}",
+                                 "--comm-hook powersgd, or leave it out")
         if on_cuda and env.world_size > 1:
             # Checked here, identically on every local rank, rather than by the one rank that finds no GPU.
             if self.device.startswith("cuda:"):
@@ -235,3 +270,90 @@ def all_sum(*values, device: torch.device) -> list[torch.Tensor]:
     sums = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device) for v in values])
     dist.all_reduce(sums)
     return list(sums.unbind())
+
+
+# ---------------------------------------------------------------------- DDP's communication hooks
+class CommCount:
+    """The state of counting_hook: the hook it wraps and that hook's state, and what this rank has sent so far."""
+
+    def __init__(self, kind: str, hook, state=None):
+        self.kind, self.hook, self.state = kind, hook, state
+        self.bytes = 0  # bytes of gradients this rank handed to all-reduce
+        self.syncs = 0  # gradient synchronisations: one per optimizer step (no_sync's backwards call no hook)
+
+    @property
+    def bytes_per_sync(self) -> float:
+        return self.bytes / max(1, self.syncs)
+
+
+def counting_hook(count: CommCount, bucket):  # no annotations: DDP compares them with classes, these would be strings
+    """A DDP communication hook: count the bytes `count.hook` all-reduces for this bucket (a dist.GradBucket), then
+    run it; returns its torch.futures.Future.
+
+    What each hook hands to all-reduce: allreduce_hook the bucket as it is; fp16/bf16 the bucket cast to 2 bytes
+    per element; PowerSGD the bucket as it is for its first --powersgd-start steps, then a low-rank P and Q for
+    each matrix it compresses plus the rest uncompressed, which its own state counts (total_numel_after_compression,
+    in the bucket's dtype). tests/test_ddp_knobs.py checks these counts against every tensor handed to
+    torch.distributed.all_reduce. Counting bytes, not time: a 2-core machine cannot show a communication speed-up.
+    """
+    buffer = bucket.buffer()
+    powersgd = count.state if count.kind == "powersgd" else None
+    compressing = powersgd is not None and powersgd.iter >= powersgd.start_powerSGD_iter
+    elements_before = powersgd.total_numel_after_compression if compressing else 0
+    future = count.hook(count.state, bucket)
+    if compressing:
+        count.bytes += (powersgd.total_numel_after_compression - elements_before) * buffer.element_size()
+    else:
+        count.bytes += buffer.numel() * (2 if count.kind in ("fp16", "bf16") else buffer.element_size())
+    count.syncs += bucket.is_last()  # bucket 0, the last one reduced in a synchronisation
+    return future
+
+
+def comm_hook(cfg: DDPConfig, model) -> tuple:
+    """(state, hook) for `model.register_comm_hook`: --comm-hook's hook (torch.distributed.algorithms.ddp_comm_hooks)
+    inside counting_hook; `state.bytes_per_sync` is what each rank sent per optimizer step. --comm-hook none is
+    torch's allreduce_hook: what DDP does without a hook, bit for bit, in Python."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+
+    if cfg.comm_hook == "powersgd":
+        check_powersgd(model, cfg.bucket_cap_mb)
+        state = powersgd.PowerSGDState(process_group=None,
+                                       matrix_approximation_rank=cfg.powersgd_rank or POWERSGD_DEFAULTS["rank"],
+                                       start_powerSGD_iter=cfg.powersgd_start or POWERSGD_DEFAULTS["start"])
+        return CommCount("powersgd", powersgd.powerSGD_hook, state), counting_hook
+    hooks = {"none": default_hooks.allreduce_hook, "fp16": default_hooks.fp16_compress_hook,
+             "bf16": default_hooks.bf16_compress_hook}
+    return CommCount(cfg.comm_hook, hooks[cfg.comm_hook]), counting_hook
+
+
+def gradient_buckets(model, bucket_cap_mb: Optional[float]) -> int:
+    """How many buckets DDP's reducer holds this model's gradients in from its second step on.
+
+    The first step runs with one bucket; after it DDP rebuilds them in the order backward produced the gradients,
+    each closed once it reaches its cap: 1 MiB for the first and 25 MiB for the others by default, --bucket-cap-mb
+    for all when given. Computed with torch's own assignment, in both parameter orders (backward's is close to the
+    reverse of the model's), the larger count."""
+    mib = 2 ** 20
+    cap = int((bucket_cap_mb or 25) * mib)
+    limits = [mib, cap] if bucket_cap_mb is None else [cap]
+    params = [p for p in model.parameters() if p.requires_grad]
+    return max(len(dist._compute_bucket_assignment_by_size(order, limits, [False] * len(order))[0])
+               for order in (params, params[::-1]))
+
+
+def check_powersgd(model, bucket_cap_mb: Optional[float]) -> None:
+    """Refuse PowerSGD where it is known to fail: gloo with the gradients in more than one bucket.
+
+    Measured (torch 2.14, 2 CPU ranks): with two or more buckets 22 of 22 runs hung or aborted with `gloo::
+    EnforceNotMet ... collective mismatch`. The hook all-reduces each bucket's P and Q from future callbacks, which
+    gloo runs on its own threads, so two buckets' all-reduces can reach the ranks in different orders."""
+    if dist.get_backend() != "gloo":
+        return
+    buckets = gradient_buckets(model, bucket_cap_mb)
+    if buckets > 1:
+        grad_mib = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad) / 2 ** 20
+        raise UsageError("--comm-hook", f"powersgd on gloo fails (hangs or 'collective mismatch') when the gradients "
+                                        f"span more than one bucket: these {grad_mib:.2f} MiB make {buckets} at "
+                                        f"--bucket-cap-mb {bucket_cap_mb or '25 (first bucket 1)'}",
+                         f"--bucket-cap-mb {math.ceil(grad_mib)} or more, fp16, bf16, none, or nccl on GPUs")

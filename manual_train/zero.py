@@ -68,6 +68,10 @@ class ZeroConfig(DDPConfig):
         super().validate()
         on_cuda = self.device.startswith("cuda") or (self.device == "auto" and torch.cuda.is_available())
         check_zero(self.impl, self.stage, self.precision, on_cuda, self.reduce_buffer_size)
+        if self.knobs_set():  # DDP's constructor arguments and comm hooks: shard() builds its wrappers without them
+            raise UsageError(self.knobs_set()[0], "is a knob of the DDP loop's DistributedDataParallel; launch/zero.py "
+                                                  "builds its wrappers in manual_train/zero.py, without it",
+                             "launch/ddp.py, or leave it out")
 
 
 def fairscale_or_error():
