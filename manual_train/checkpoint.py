@@ -32,7 +32,8 @@ REQUIRED_KEYS = ("model", "optimizer", "scheduler", "scaler", "epoch", "step", "
 # --max-steps may grow when the LR schedule does not depend on the run's length; the rest, e.g. workers,
 # logging, evaluation and --precision, may change freely.)
 MUST_MATCH = ("model", "dataset", "synthetic_size", "synthetic_shape", "synthetic_classes", "optimizer", "lr",
-              "lr_scaling", "base_batch_size", "weight_decay", "grad_clip", "schedule", "warmup_steps", "seed")
+              "lr_scaling", "base_batch_size", "weight_decay", "grad_clip", "grad_clip_value", "schedule",
+              "warmup_steps", "seed", "dropout", "limit_train_batches")
 
 
 class RunFinished(Exception):

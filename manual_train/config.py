@@ -43,7 +43,7 @@ def arg(default, help: str, *, choices: Optional[Sequence] = None, min: Optional
 
 
 DATASETS = ("digits", "mnist", "fashion-mnist", "cifar10", "synthetic", "reverse")
-MODELS = ("mlp", "cnn", "resnet18", "seq2seq")
+MODELS = ("mlp", "cnn", "resnet18", "seq2seq", "gpt")
 PRECISIONS = ("32-true", "64-true", "16-mixed", "bf16-mixed")
 # apex's O2 is its own lesson: only launch/apex_o2.py takes these (manual_train.precision.O2Config, loops/apex_o2.py)
 O2_PRECISIONS = ("16-o2", "apex-o2")
@@ -73,7 +73,7 @@ class Config:
     synthetic_shape: str = arg("3,32,32", "C,H,W of --dataset synthetic images", metavar="C,H,W")
     synthetic_classes: int = arg(10, "number of classes for --dataset synthetic", min=2)
     # model
-    model: str = arg("cnn", "model to train (seq2seq only with --dataset reverse)", choices=MODELS)
+    model: str = arg("cnn", "model to train (seq2seq and gpt only with --dataset reverse)", choices=MODELS)
     # schedule
     epochs: int = arg(10, "total epochs (a resumed run continues up to this number)", min=1)
     max_steps: Optional[int] = arg(None, "stop after this many optimizer steps (overrides --epochs)", min=1)
@@ -126,11 +126,38 @@ class Config:
                                        "digits>, new for every run)", metavar="DIR")
     resume: Optional[str] = arg(None, "continue from a checkpoint (last.pt/best.pt); 'auto' = "
                                       "<out-dir>/last.pt if it exists", metavar="PATH")
+    # everyday tools (docs/everyday.md): regularisation, mid-epoch validation and checkpoints, smoke-test limits,
+    # clipping by value, anomaly detection, a time limit, a profiler window, the model summary
+    dropout: float = arg(0.0, "dropout probability (mlp: on its input and hidden layers; cnn: before its head; gpt: "
+                              "after the embeddings and in every block); 0 draws no random numbers", min=0, max=0.9)
+    val_every_steps: Optional[int] = arg(None, "also validate every N optimizer steps inside an epoch "
+                                               "(Lightning's val_check_interval=N)", min=1, metavar="N")
+    checkpoint_every_steps: Optional[int] = arg(None, "also write last.pt every N optimizer steps inside an epoch; a "
+                                                      "resume continues from there exactly", min=1, metavar="N")
+    limit_train_batches: Optional[str] = arg(None, "train on the first N micro-batches of each epoch, or a FRACTION "
+                                                   "(0 < f <= 1) of them", metavar="N|FRACTION")
+    limit_val_batches: Optional[str] = arg(None, "validate on the first N batches of --eval-batch-size, or a "
+                                                 "FRACTION (0 < f <= 1) of them", metavar="N|FRACTION")
+    fast_dev_run: bool = arg(False, "smoke test: one training batch (one optimizer step) and one validation batch; "
+                                    "no outputs kept")
+    grad_clip_value: Optional[float] = arg(None, "clip every gradient element to [-VALUE, VALUE] (after unscaling; "
+                                                 "instead of --grad-clip)", min=0, min_exclusive=True, metavar="VALUE")
+    detect_anomaly: bool = arg(False, "torch.autograd.set_detect_anomaly: backward raises at the first NaN/inf, with "
+                                      "the forward operation that made it (slow: for debugging)")
+    max_time: Optional[str] = arg(None, "stop at the first step boundary after this much training time in this "
+                                        "launch (DD:HH:MM:SS, HH:MM:SS, MM:SS or seconds); last.pt and summary.json "
+                                        "are written, --resume continues", metavar="DURATION")
+    profile: bool = arg(False, "torch.profiler over a window of optimizer steps (--profile-steps): a Chrome trace "
+                               "and the top operators, in <out-dir>/profile/")
+    profile_steps: Optional[str] = arg(None, "the profiled window A:B: optimizer steps A+1 to B (default: 5:10; "
+                                             "implies --profile)", metavar="A:B")
+    summary_depth: int = arg(1, "module depth of the banner's per-layer model summary (0: none)", min=0)
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
         """Checks that need more than one flag or the machine; raise UsageError. Subclasses extend."""
         self.validate_step()
+        self.validate_everyday()
         if self.num_workers == 0 and self.persistent_workers:
             raise UsageError("--persistent-workers", "needs worker processes; set --num-workers > 0")
         if self.num_workers == 0 and self.prefetch_factor is not None:
@@ -148,22 +175,54 @@ class Config:
         if self.resume == "auto" and self.out_dir is None:
             raise UsageError("--resume", "auto needs an explicit --out-dir to look for last.pt in")
         check_writable_dir(self.out_dir, "--out-dir", room=OUT_DIR_ROOM)
-        if self.out_dir and self.resume is None and any((Path(self.out_dir) / name).exists()
+        if self.out_dir and self.resume is None and not self.fast_dev_run and any((Path(self.out_dir) / name).exists()
                                                         for name in ("last.pt", "metrics.csv")):
             raise UsageError("--out-dir", f"{self.out_dir} already holds a run (nothing is overwritten)",
                              "--resume auto to continue it, or a new --out-dir")
+
+    def validate_everyday(self) -> None:
+        """The everyday tools' flags (docs/everyday.md); --fast-dev-run sets the limits it stands for."""
+        if self.dropout and self.model in ("resnet18", "seq2seq"):
+            raise UsageError("--dropout", f"--model {self.model} has no dropout here", "0, or --model mlp, cnn, gpt")
+        if self.grad_clip and self.grad_clip_value:
+            raise UsageError("--grad-clip-value", "clips by value; --grad-clip clips by norm: choose one")
+        for name in ("limit_train_batches", "limit_val_batches"):
+            parse_limit(getattr(self, name), _flag(name))
+        self.max_time_s()
+        if self.profile or self.profile_steps:
+            self.profile = True
+            self.profile_window()
+        if self.fast_dev_run:
+            if self.resume:
+                raise UsageError("--fast-dev-run", "keeps no outputs and trains one step: nothing to resume")
+            # Lightning's fast_dev_run=True: one batch of each, one step, no checkpoints or logs (Run keeps none)
+            self.max_steps, self.limit_train_batches, self.limit_val_batches = 1, "1", "1"
+            self.val_every_steps = self.checkpoint_every_steps = None
+            self.profile = False
+
+    def max_time_s(self) -> Optional[float]:
+        return parse_duration(self.max_time, "--max-time")
+
+    def profile_window(self) -> tuple[int, int]:
+        """--profile-steps A:B as (A, B): optimizer steps A+1..B are recorded."""
+        text = self.profile_steps or "5:10"
+        parts = text.split(":")
+        if len(parts) != 2 or not all(p.strip().isdigit() for p in parts) or int(parts[0]) >= int(parts[1]):
+            raise UsageError("--profile-steps", f"{text!r} is not a window A:B of steps",
+                             "two integers 0 <= A < B, such as 10:15")
+        return int(parts[0]), int(parts[1])
 
     def validate_step(self) -> None:
         """The checks for what one training step needs: data, model, loss scale, device (find_batch_size's)."""
         self.check_precision_choice()
         self.input_shape()  # parses --synthetic-shape
         check_path(self.data_root, "--data-root")
-        if self.model == "seq2seq" and self.dataset != "reverse":
-            raise UsageError("--model", f"seq2seq needs --dataset reverse, not {self.dataset}",
+        if self.model in ("seq2seq", "gpt") and self.dataset != "reverse":
+            raise UsageError("--model", f"{self.model} needs --dataset reverse, not {self.dataset}",
                              "mlp, cnn, resnet18")
-        if self.dataset == "reverse" and self.model != "seq2seq":
+        if self.dataset == "reverse" and self.model not in ("seq2seq", "gpt"):
             raise UsageError("--model", f"--dataset reverse is a sequence task; {self.model} is an image model",
-                             "seq2seq")
+                             "seq2seq, gpt")
         check_device_name(self.device, "--device")
 
     def check_precision_choice(self) -> None:
@@ -199,6 +258,52 @@ class Config:
             path = Path(self.out_dir) / "last.pt"
             return path if path.is_file() else None
         return Path(self.resume) if self.resume else None
+
+
+def parse_limit(text: Optional[str], flag: str):
+    """--limit-*-batches as Lightning reads them: an integer is a number of batches (>= 1), a number with a point
+    a fraction of them (0 < f <= 1); None: no limit."""
+    if text is None:
+        return None
+    allowed = "an integer N >= 1 (batches) or a fraction 0 < f <= 1, such as 10 or 0.25"
+    try:
+        value = int(text) if text.strip().lstrip("+").isdigit() else float(text)
+    except ValueError:
+        raise UsageError(flag, f"{text!r} is not a number", allowed) from None
+    if isinstance(value, int) and value < 1 or isinstance(value, float) and not 0 < value <= 1:
+        raise UsageError(flag, f"{text} is out of range", allowed)  # (not 0 < nan <= 1: nan and inf land here)
+    return value
+
+
+def limited_batches(limit, n_batches: int, flag: str) -> int:
+    """How many of an epoch's n_batches a --limit-*-batches value keeps: int(f * n) for a fraction, as Lightning,
+    and like Lightning refusing a fraction that keeps none."""
+    if limit is None:
+        return n_batches
+    if isinstance(limit, int):
+        return min(limit, n_batches)
+    kept = int(limit * n_batches)
+    if kept < 1:
+        raise UsageError(flag, f"{limit} of {n_batches} batches is less than one batch", f">= {1 / n_batches:.3g}")
+    return kept
+
+
+def parse_duration(text: Optional[str], flag: str) -> Optional[float]:
+    """DD:HH:MM:SS (Lightning's max_time string), HH:MM:SS, MM:SS or a number of seconds, as seconds."""
+    if text is None:
+        return None
+    parts = text.split(":")
+    allowed = "DD:HH:MM:SS, HH:MM:SS, MM:SS or seconds, more than 0, such as 00:12:00:00 or 90"
+    try:
+        numbers = [float(p) if len(parts) == 1 else int(p) for p in parts]
+    except ValueError:
+        numbers = []
+    if not 1 <= len(parts) <= 4 or len(numbers) != len(parts) or not all(math.isfinite(n) and n >= 0 for n in numbers):
+        raise UsageError(flag, f"{text!r} is not a duration", allowed)
+    seconds = sum(n * unit for n, unit in zip(reversed(numbers), (1, 60, 3600, 86400)))
+    if not 0 < seconds <= 10 ** 9:
+        raise UsageError(flag, f"{text} is out of range", allowed)
+    return float(seconds)
 
 
 def check_device_name(name: str, flag: str) -> None:

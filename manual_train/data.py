@@ -5,16 +5,20 @@ Datasets (all real code paths, none needs the network unless --download is given
   mnist, fashion-mnist, cifar10
                  torchvision.datasets with torchvision transforms, read from --data-root
   synthetic      random images of --synthetic-shape with learnable class offsets (benchmarks)
-  reverse        digit sequences and their reversal (the seq2seq task for model parallelism)
+  reverse        digit sequences and their reversal (the seq2seq task for model parallelism; with --model gpt
+                 the same task as decoder-only language modelling, manual_train/tokens.py)
 
 DataLoader tuning (docs/dataloader.md): `build_loader` exposes num_workers, pin_memory,
 persistent_workers and prefetch_factor, and seeds workers with `seed_worker` so a run
 with workers is reproducible. Shuffling always goes through `train_sampler`, which is
 `DistributedSampler(seed=seed)` also at world size 1: that is what makes a single process with
-batch N*b see, step by step, the same samples as N DDP ranks with batch b.
+batch N*b see, step by step, the same samples as N DDP ranks with batch b. With pad=False (the DDP
+and ZeRO loops) a set that N does not divide is not padded with repeats: a short shard ends in an empty
+micro-batch (ShardBatches, collate_or_empty), so any size trains the single-process weights (docs/ddp_knobs.md).
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import os
@@ -25,8 +29,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset, TensorDataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, Subset, TensorDataset
+from torch.utils.data import default_collate
 
+from manual_train import tokens
 from manual_train.config import Config, UsageError
 from manual_train.models import DataInfo, check_input_fits  # noqa: F401 (DataInfo re-exported)
 
@@ -221,6 +227,7 @@ def build_datasets(cfg: Config) -> tuple[Dataset, Dataset, DataInfo]:
     """(train, val, info) for cfg.dataset. Raises UsageError for missing or corrupt data, and for a --model that
     cannot run on the data's input shape (e.g. --synthetic-shape 1,1,1 with cnn)."""
     train, val, info = _datasets(cfg)
+    val = limit_val(val, cfg)  # --limit-val-batches, --fast-dev-run
 
     check_input_fits(cfg.model, info, "--synthetic-shape" if cfg.dataset == "synthetic" else "--model")
     return train, val, info
@@ -235,6 +242,8 @@ def _datasets(cfg: Config) -> tuple[Dataset, Dataset, DataInfo]:
         train = SyntheticImages(cfg.synthetic_size, shape, cfg.synthetic_classes, seed=0)
         val = SyntheticImages(max(1, cfg.synthetic_size // 4), shape, cfg.synthetic_classes, seed=1)
         return train, val, DataInfo("synthetic", shape, cfg.synthetic_classes)
+    if cfg.dataset == "reverse" and cfg.model == "gpt":  # the same task as one token row: manual_train/tokens.py
+        return tokens.reverse_lm_datasets(cfg.synthetic_size)
     if cfg.dataset == "reverse":
         train = ReverseDigits(cfg.synthetic_size, seed=0)
         val = ReverseDigits(max(1, cfg.synthetic_size // 4), seed=1)
@@ -246,29 +255,69 @@ def _datasets(cfg: Config) -> tuple[Dataset, Dataset, DataInfo]:
 class TrainSampler(DistributedSampler):
     """DistributedSampler that can begin an epoch part-way: `set_epoch(epoch, start=k)` skips the rank's first k
     indices of that epoch's order. A run resumed from a mid-epoch checkpoint starts its loader where the
-    checkpoint stopped, instead of loading and throwing away the batches before it."""
+    checkpoint stopped, instead of loading and throwing away the batches before it.
+
+    pad=True is DistributedSampler's own rule: when N does not divide the set, every rank's list is filled up to
+    ceil(n / N) with repeats of the first samples, so those samples count twice. pad=False leaves holes instead:
+    rank r takes perm[r::N] as it falls (shards differ by at most one sample), and `len()` still counts ceil(n / N)
+    positions, the same on every rank; build_loader turns a short shard's missing positions into an empty last
+    micro-batch, so that every rank runs the same micro-steps (docs/ddp_knobs.md, "Any dataset size")."""
 
     start = 0
+    pad = True
 
     def set_epoch(self, epoch: int, start: int = 0) -> None:
         super().set_epoch(epoch)
         self.start = start
 
     def __iter__(self):
-        return itertools.islice(super().__iter__(), self.start, None)
+        if self.pad:
+            order = super().__iter__()
+        else:  # DistributedSampler's permutation of the same seed and epoch, without the repeats it appends
+            g = torch.Generator()
+            g.manual_seed(self.seed + self.epoch)
+            order = torch.randperm(len(self.dataset), generator=g).tolist()[self.rank::self.num_replicas]
+        return itertools.islice(order, self.start, None)
 
     def __len__(self) -> int:
-        return self.num_samples - self.start
+        return self.num_samples - self.start  # positions: pad=False's holes included
 
 
-def train_sampler(dataset: Dataset, seed: int, world_size: int = 1, rank: int = 0) -> TrainSampler:
+class ShardBatches(Sampler):
+    """A pad=False TrainSampler's indices in batches, as many batches on every rank: ceil(len(sampler) / batch).
+    The batches are the sampler's indices in order; a shard one sample short whose samples end on a batch boundary
+    gets one empty batch ([]) at the end, which its rank trains on with weight 0."""
+
+    def __init__(self, sampler: TrainSampler, batch_size: int):
+        self.sampler, self.batch_size = sampler, batch_size
+
+    def __len__(self) -> int:
+        return -(-len(self.sampler) // self.batch_size)
+
+    def __iter__(self):
+        indices = iter(self.sampler)
+        for _ in range(len(self)):
+            yield list(itertools.islice(indices, self.batch_size))
+
+
+def collate_or_empty(dataset: Dataset, samples: list):
+    """default_collate, and for no samples the tensors of one sample cut to 0 rows: an empty batch of the right
+    shapes and dtypes (a model's forward and backward run on it; every gradient it gives is 0)."""
+    if samples:
+        return default_collate(samples)
+    return [t[:0] for t in default_collate([dataset[0]])]
+
+
+def train_sampler(dataset: Dataset, seed: int, world_size: int = 1, rank: int = 0, pad: bool = True) -> TrainSampler:
     """The one shuffling rule for every loop: DistributedSampler's permutation, also at world size 1.
 
     Rank r takes perm[r::world_size], so ranks' k-th batches of size b together are exactly
     perm[k*b*N:(k+1)*b*N], the single process's k-th batch of size N*b. Call set_epoch(epoch)
-    every epoch, or every epoch repeats the same order.
+    every epoch, or every epoch repeats the same order. pad: see TrainSampler (the DDP and ZeRO loops pass False).
     """
-    return TrainSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=False)
+    sampler = TrainSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=False)
+    sampler.pad = pad
+    return sampler
 
 
 def eval_shard(dataset: Dataset, world_size: int = 1, rank: int = 0) -> Dataset:
@@ -278,6 +327,63 @@ def eval_shard(dataset: Dataset, world_size: int = 1, rank: int = 0) -> Dataset:
     validation metrics (Lightning issue 7929); summing per-rank sums and counts is exact instead.
     """
     return dataset if world_size == 1 else Subset(dataset, range(rank, len(dataset), world_size))
+
+
+def test_dataset(cfg: Config) -> Dataset:
+    """The official test set of mnist, fashion-mnist and cifar10 (`python -m manual_train.evaluate --split test`),
+    with the validation transforms; the other datasets have none (a one-line error). (The training scripts
+    validate on these same files today: val is the test set there, docs/evaluation.md.)"""
+    if cfg.dataset not in ("mnist", "fashion-mnist", "cifar10"):
+        what = ("its 1797 images are split 1500 train / 297 val" if cfg.dataset == "digits"
+                else "it is generated: train and val only")
+        raise UsageError("--split", f"{cfg.dataset} has no test set ({what})", "val")
+    return _torchvision_dataset(cfg)[1]  # read from the t10k / test_batch files, with their checks
+
+
+def limit_val(val: Dataset, cfg: Config) -> Dataset:
+    """--limit-val-batches: the first N batches of --eval-batch-size (or a fraction of them), as one subset, so that
+    every loop (and every rank's shard of it) evaluates the same samples and the sums stay exact."""
+    from manual_train.config import limited_batches, parse_limit
+
+    limit = parse_limit(cfg.limit_val_batches, "--limit-val-batches")
+    if limit is None:
+        return val
+    batches = limited_batches(limit, micro_batches_per_epoch(len(val), cfg.eval_batch_size), "--limit-val-batches")
+    return Subset(val, range(min(len(val), batches * cfg.eval_batch_size)))
+
+
+def limit_train(num_samples: int, cfg: Config, batch_size: int = 0) -> int:
+    """--limit-train-batches (--fast-dev-run: 1): the samples of the first N micro-batches of each epoch (this
+    rank's, of --batch-size; or all ranks' together, micro-batches of batch_size = N x --batch-size), which the
+    loop then counts as its epoch: micro-batches, steps, the last window's weights."""
+    from manual_train.config import limited_batches, parse_limit
+
+    batch_size = batch_size or cfg.batch_size
+    limit = parse_limit(cfg.limit_train_batches, "--limit-train-batches")
+    batches = limited_batches(limit, micro_batches_per_epoch(num_samples, batch_size), "--limit-train-batches")
+    return min(num_samples, batches * batch_size)
+
+
+class SeededLoader(DataLoader):
+    """A DataLoader that never draws from the global torch RNG: the base seed of its workers comes from its own
+    generator, seeded at every iter() from (--seed, rank, epoch) for the training loader (a TrainSampler), and to 0
+    for evaluation (whose batches draw nothing random).
+
+    A DataLoader draws that seed whenever an iterator is made (with no workers too). From the global RNG, a run
+    resumed mid-epoch would draw it once more than the uninterrupted run (which drew it at the epoch's start,
+    before the checkpoint), and an evaluation (mid-epoch, or at a --max-time stop) would move the stream training
+    draws from: every dropout mask after it would differ
+    (test_everyday.py::test_mid_epoch_resume_with_dropout_and_workers_is_bitwise). Each rank's training workers
+    still get seeds of their own: the rank is part of the key."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, generator=torch.Generator(), **kwargs)
+
+    def __iter__(self):
+        s = getattr(self.batch_sampler, "sampler", None)  # a TrainSampler, under a BatchSampler or ShardBatches
+        key = [s.seed, s.rank, s.epoch] if isinstance(s, TrainSampler) else [0]
+        self.generator.manual_seed(int(np.random.SeedSequence(key).generate_state(1)[0]))
+        return super().__iter__()
 
 
 def seed_worker(worker_id: int) -> None:
@@ -305,9 +411,12 @@ def build_loader(dataset: Dataset, cfg: Config, device: torch.device, *, batch_s
     if cfg.num_workers > 0:
         workers = dict(worker_init_fn=seed_worker, persistent_workers=cfg.persistent_workers,
                        prefetch_factor=cfg.prefetch_factor)
-    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, shuffle=False,
-                      num_workers=cfg.num_workers, pin_memory=pin and device.type == "cuda",
-                      **workers)  # no drop_last: every sample counts (accumulation weights the last batch)
+    batches = dict(batch_size=batch_size, sampler=sampler, shuffle=False)
+    if isinstance(sampler, TrainSampler) and not sampler.pad:  # every rank as many batches, maybe one empty
+        batches = dict(batch_sampler=ShardBatches(sampler, batch_size),
+                       collate_fn=functools.partial(collate_or_empty, dataset))
+    return SeededLoader(dataset, num_workers=cfg.num_workers, pin_memory=pin and device.type == "cuda",
+                        **batches, **workers)  # no drop_last: every sample counts (accumulation weights the last batch)
 
 
 def suggest_num_workers(local_world_size: int = 1) -> int:

@@ -62,6 +62,11 @@ LOOPS = (
          "weights in the optimizer, a dynamic loss scale, the fp16 gradients unscaled into the masters and the "
          "masters copied back after each step; `--precision apex-o2` lets apex.amp do it (`launch/apex_o2.py`, "
          "docs/precision.md)."),
+    Loop("pipeline", "single", "PIPE", "Pipeline parallelism",
+         "The GPT's blocks split into stages, one per rank under torchrun, each batch cut into micro-batches: GPipe "
+         "written out with send/recv, or torch.distributed.pipelining's gpipe, 1f1b, interleaved-1f1b; the same "
+         "weights as the baseline, also for a batch that does not split evenly (`launch/pipeline.py`, "
+         "docs/pipeline.md). Its base is the baseline: every stage reads the same batches (no data parallelism)."),
     Loop("zero", "ddp", "ZERO", "ZeRO sharding",
          "The DDP loop with optimizer state, gradients and parameters sharded across ranks by fairscale or "
          "torch (`launch/zero.py`, docs/zero.md). Its base is the DDP loop, so its diff shows ZeRO alone."),

@@ -53,10 +53,12 @@ class RunLog:
     """metrics.csv rows, console lines, optional TensorBoard scalars and summary.json, on rank 0."""
 
     def __init__(self, out_dir: Path, *, enabled: bool = True, tensorboard: bool = False,
-                 resume_step: Optional[int] = None):
+                 resume_step: Optional[int] = None, keep: bool = True):
+        """keep=False (--fast-dev-run): console lines only; no folder, no file."""
         self.out_dir, self.enabled = Path(out_dir), enabled
         self.tb = None
-        if not enabled:
+        self.writes = enabled and keep
+        if not self.writes:
             return
         self.out_dir.mkdir(parents=True, exist_ok=True)
         remove_stale_temp_files(self.out_dir)  # half-written checkpoints of a killed run
@@ -91,7 +93,7 @@ class RunLog:
 
     def row(self, *, step: int, epoch: int, split: str, loss: float, acc: float, lr: float,
             samples_per_s: float, time_s: float) -> None:
-        if not self.enabled:
+        if not self.writes:
             return
         self._csv.writerow(dict(step=step, epoch=epoch + 1, split=split, loss=f"{loss:.8g}", acc=f"{acc:.6g}",
                                 lr=f"{lr:.8g}", samples_per_s=f"{samples_per_s:.2f}", time_s=f"{time_s:.3f}"))
@@ -104,7 +106,7 @@ class RunLog:
 
     def write_summary(self, summary: dict) -> None:
         """summary.json, written whole to a temp file and renamed, like the checkpoints."""
-        if not self.enabled:
+        if not self.writes:
             return
         missing = [k for k in SUMMARY_KEYS if k not in summary]
         assert not missing, f"summary lacks {missing}"
@@ -113,7 +115,7 @@ class RunLog:
         os.replace(tmp, self.out_dir / "summary.json")
 
     def close(self) -> None:
-        if not self.enabled:
+        if not self.writes:
             return
         if self.out_dir in _claimed_here:
             _claimed_here.remove(self.out_dir)  # the run finished: its folder is its results
@@ -150,11 +152,41 @@ def banner(log: RunLog, *, script: str, device, cfg, raw_model, train_ds, val_ds
     n_params = sum(p.numel() for p in raw_model.parameters())
     log.print(f"{script}: device {device}, precision {cfg.precision}, model {cfg.model} ({n_params:,} params), "
               f"dataset {cfg.dataset} ({len(train_ds)} train / {len(val_ds)} val)")
+    if cfg.summary_depth:
+        log.print(model_summary(raw_model, cfg.summary_depth))
     log.print(f"global batch {global_batch_size} = batch {cfg.batch_size} x accumulate {cfg.accumulate} x "
               f"world size {world_size}; lr {lr:g} ({cfg.lr_scaling} scaling from base batch "
               f"{cfg.base_batch_size}); {total_steps} optimizer steps; num_workers {cfg.num_workers} "
               f"(suggested here: {suggest_num_workers(read_env().local_world_size)}); out {out_dir}"
               + (f"; resuming {resumed_from} at step {step}, in epoch {start_epoch + 1}" if resumed_from else ""))
+
+
+def model_summary(model, max_depth: int = 1) -> str:
+    """Lightning's ModelSummary from the module tree: one row per submodule down to max_depth (name, type,
+    parameters, trainable ones), then the totals. A parameter shared by two modules (the GPT's tied embedding and
+    head) is counted once, in the first row of its depth that holds it; summing every module's own
+    parameters() would count it twice (test_everyday.py::test_model_summary_counts_tied_weights_once)."""
+    rows, seen = [], {}  # seen: per depth, the parameters already counted in a row of that depth
+    for name, module in model.named_modules():
+        depth = name.count(".") + 1 if name else 0
+        if not 1 <= depth <= max_depth:
+            continue
+        counted = seen.setdefault(depth, set())
+        params = [p for p in module.parameters() if id(p) not in counted]
+        counted.update(id(p) for p in params)
+        rows.append(("  " * (depth - 1) + name, type(module).__name__, sum(p.numel() for p in params),
+                     sum(p.numel() for p in params if p.requires_grad)))
+    unique = {id(p): p for p in model.parameters()}.values()  # parameters() yields a shared one once
+    total = sum(p.numel() for p in unique)
+    trainable = sum(p.numel() for p in unique if p.requires_grad)
+    size_mb = sum(p.numel() * p.element_size() for p in unique) / 1e6
+    width = max([len(r[0]) for r in rows] + [4])
+    type_width = max([len(r[1]) for r in rows] + [4])
+    lines = [f"  {'name':<{width}}  {'type':<{type_width}}  {'params':>11}  {'trainable':>11}"]
+    lines += [f"  {n:<{width}}  {t:<{type_width}}  {c:>11,}  {tr:>11,}" for n, t, c, tr in rows]
+    lines.append(f"  {trainable:,} trainable, {total - trainable:,} non-trainable, {total:,} total parameters "
+                 f"({size_mb:.2f} MB)")
+    return "\n".join(lines)
 
 
 def progress_bar(total: int, initial: int, enabled: bool):

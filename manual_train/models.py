@@ -2,7 +2,8 @@
 
 Parallelism and precision are applied to these by functions elsewhere (wrap in DDP, split the
 encoder and decoder over devices, cast for O2), so the same model definition serves every loop.
-None of them uses dropout, so parity tests compare deterministic computations; `cnn` and `mlp`
+Dropout is off unless --dropout asks for it (nn.Dropout(0) draws no random numbers), so parity tests compare
+deterministic computations; `cnn` and `mlp`
 have no BatchNorm either (BatchNorm statistics are per micro-batch, which accumulation and
 DataParallel change). `resnet18` keeps its BatchNorm layers: it is the model for the 16-o2
 "BatchNorm stays fp32" rule and for the GPU benchmarks.
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -26,15 +28,16 @@ class DataInfo:
     name: str
     input_shape: tuple  # per sample, e.g. (1, 8, 8); (2, L) token ids for reverse
     num_classes: int  # classes, or vocabulary size for token tasks
+    predict: Optional[int] = None  # gpt: the positions at the end of x that have targets (None: every one)
 
 
 class MLP(nn.Module):
-    def __init__(self, input_shape: tuple, num_classes: int, hidden: int = 128):
+    def __init__(self, input_shape: tuple, num_classes: int, hidden: int = 128, dropout: float = 0.0):
         super().__init__()
         self.net = nn.Sequential(
-            nn.Flatten(),
-            nn.Linear(math.prod(input_shape), hidden), nn.ReLU(),
-            nn.Linear(hidden, hidden), nn.ReLU(),
+            nn.Flatten(), nn.Dropout(dropout),  # input dropout (pixels), as in Hinton et al.'s MLPs
+            nn.Linear(math.prod(input_shape), hidden), nn.ReLU(), nn.Dropout(dropout),
+            nn.Linear(hidden, hidden), nn.ReLU(), nn.Dropout(dropout),
             nn.Linear(hidden, num_classes),
         )
 
@@ -64,7 +67,7 @@ class AvgPoolTo2x2(nn.Module):
 class SmallCNN(nn.Module):
     """Three 3x3 convolutions and a two-layer head; ~90k parameters, any input size >= 2x2."""
 
-    def __init__(self, in_channels: int, num_classes: int, width: int = 32):
+    def __init__(self, in_channels: int, num_classes: int, width: int = 32, dropout: float = 0.0):
         super().__init__()
         self.features = nn.Sequential(
             nn.Conv2d(in_channels, width, 3, padding=1), nn.ReLU(),
@@ -74,8 +77,8 @@ class SmallCNN(nn.Module):
             AvgPoolTo2x2(),  # nn.AdaptiveAvgPool2d(2), deterministic on CUDA too
         )
         self.head = nn.Sequential(
-            nn.Flatten(),
-            nn.Linear(8 * width, 128), nn.ReLU(),
+            nn.Flatten(), nn.Dropout(dropout),
+            nn.Linear(8 * width, 128), nn.ReLU(), nn.Dropout(dropout),
             nn.Linear(128, num_classes),
         )
 
@@ -136,26 +139,28 @@ class Seq2Seq(nn.Module):
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, n_embd: int, n_head: int):
+    def __init__(self, n_embd: int, n_head: int, dropout: float = 0.0):
         super().__init__()
         self.n_head = n_head
         self.qkv = nn.Linear(n_embd, 3 * n_embd)
         self.proj = nn.Linear(n_embd, n_embd)
+        self.drop = nn.Dropout(dropout)  # on the residual branch, as nanoGPT's resid_dropout
 
     def forward(self, x):
         B, T, C = x.shape
         q, k, v = self.qkv(x).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+        return self.drop(self.proj(y.transpose(1, 2).reshape(B, T, C)))
 
 
 class Block(nn.Module):
-    def __init__(self, n_embd: int, n_head: int):
+    def __init__(self, n_embd: int, n_head: int, dropout: float = 0.0):
         super().__init__()
         self.ln1, self.ln2 = nn.LayerNorm(n_embd), nn.LayerNorm(n_embd)
-        self.attn = CausalSelfAttention(n_embd, n_head)
-        self.mlp = nn.Sequential(nn.Linear(n_embd, 4 * n_embd), nn.GELU(), nn.Linear(4 * n_embd, n_embd))
+        self.attn = CausalSelfAttention(n_embd, n_head, dropout)
+        self.mlp = nn.Sequential(nn.Linear(n_embd, 4 * n_embd), nn.GELU(), nn.Linear(4 * n_embd, n_embd),
+                                 nn.Dropout(dropout))
 
     def forward(self, x):
         x = x + self.attn(self.ln1(x))
@@ -163,36 +168,55 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """A small nanoGPT-style decoder (pre-LayerNorm blocks, tied embeddings) for the GPU benchmark."""
+    """A small nanoGPT-style decoder (pre-LayerNorm blocks, tied embeddings): `--model gpt` on the reverse task
+    (docs/gpt.md), the model that pipeline parallelism splits, and the GPU benchmark's model.
+
+    n_predict: logits for the last n positions only (None: every position). The reverse task's targets are the
+    answer's tokens, so the prompt's positions get no logits, no loss and no head FLOPs.
+    """
 
     def __init__(self, vocab: int = 8192, block_size: int = 256, n_layer: int = 4, n_head: int = 4,
-                 n_embd: int = 256):
+                 n_embd: int = 256, *, n_predict: Optional[int] = None, dropout: float = 0.0):
         super().__init__()
+        self.n_predict = n_predict
         self.tok = nn.Embedding(vocab, n_embd)
         self.pos = nn.Embedding(block_size, n_embd)
-        self.blocks = nn.ModuleList(Block(n_embd, n_head) for _ in range(n_layer))
+        self.drop = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(Block(n_embd, n_head, dropout) for _ in range(n_layer))
         self.ln_f = nn.LayerNorm(n_embd)
         self.head = nn.Linear(n_embd, vocab, bias=False)
         self.head.weight = self.tok.weight
 
-    def forward(self, idx):  # (B, T) token ids -> (B, T, V) logits
-        pos = torch.arange(idx.shape[1], device=idx.device)
-        x = self.tok(idx) + self.pos(pos)
+    def forward(self, idx):  # (B, T) token ids -> (B, T, V) logits (T = n_predict when set)
+        x = self.embed(idx)
         for block in self.blocks:
             x = block(x)
+        return self.logits(x)
+
+    # forward's first and last parts, named so that a pipeline stage (manual_train/pipelining.py) runs the same code
+    def embed(self, idx):  # (B, T) token ids -> (B, T, C)
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        return self.drop(self.tok(idx) + self.pos(pos))
+
+    def logits(self, x):  # (B, T, C) -> (B, n_predict or T, V)
+        if self.n_predict is not None:
+            x = x[:, -self.n_predict:]
         return self.head(self.ln_f(x))
 
 
-def build_model(name: str, info: DataInfo) -> nn.Module:
-    """The model called `name`, sized for the data in `info`."""
+def build_model(name: str, info: DataInfo, dropout: float = 0.0) -> nn.Module:
+    """The model called `name`, sized for the data in `info`; `dropout` (--dropout) for mlp, cnn and gpt."""
     if name == "mlp":
-        return MLP(info.input_shape, info.num_classes)
+        return MLP(info.input_shape, info.num_classes, dropout=dropout)
     if name == "cnn":
-        return SmallCNN(info.input_shape[0], info.num_classes)
+        return SmallCNN(info.input_shape[0], info.num_classes, dropout=dropout)
     if name == "resnet18":
         return resnet18(info.input_shape[0], info.num_classes)
     if name == "seq2seq":
         return Seq2Seq(info.num_classes)
+    if name == "gpt":  # ~200k parameters: the reverse task in about a minute on 2 CPU cores (docs/gpt.md)
+        return GPT(info.num_classes, block_size=info.input_shape[0], n_layer=GPT_LAYERS, n_head=4, n_embd=64,
+                   n_predict=info.predict, dropout=dropout)
     raise ValueError(f"unknown model {name!r}")
 
 
@@ -207,6 +231,8 @@ def correct_count(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 IMAGE_MODELS = ("mlp", "cnn", "resnet18")
+TOKEN_MODELS = ("seq2seq", "gpt")  # inputs are int64 token ids
+GPT_LAYERS = 4  # --model gpt's blocks: what --stages must divide (loops/pipeline.py)
 
 
 def _forward_error(name: str, info: DataInfo, device: str):
@@ -214,7 +240,7 @@ def _forward_error(name: str, info: DataInfo, device: str):
     try:
         with torch.device(device):
             model = build_model(name, info)
-            x = torch.zeros((1, *info.input_shape), dtype=torch.int64 if name == "seq2seq" else torch.float32)
+            x = torch.zeros((1, *info.input_shape), dtype=torch.int64 if name in TOKEN_MODELS else torch.float32)
         with torch.no_grad():
             model.eval()(x)
     except RuntimeError as e:

@@ -36,6 +36,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from manual_train import profiling
 from manual_train.checkpoint import (build_checkpoint, capture_rng, check_compatible, load_checkpoint, restore_rng,
                                      resume_point, save_checkpoint)
 from manual_train.distributed import DistEnv
@@ -50,8 +51,13 @@ class Run:
     """One training run's outputs and state around a loop (see the module docstring for the calls)."""
 
     def __init__(self, cfg, script: str, env: Optional[DistEnv] = None, *, device: torch.device, lr: float,
-                 global_batch_size: int, total_steps: int, micro_steps_per_epoch: int, datasets: tuple):
+                 global_batch_size: int, total_steps: int, micro_steps_per_epoch: int, datasets: tuple,
+                 replicas: Optional[int] = None):
+        """`replicas`: how many ranks train on shares of every batch (the data-parallel world size: the global
+        batch is batch x accumulate x replicas); all ranks by default, 1 where ranks split one model instead
+        (pipeline stages). Checkpoints and the banner count the global batch with it."""
         self.cfg, self.script, self.env, self.device, self.lr = cfg, script, env or LONE, device, lr
+        self.replicas = replicas or self.env.world_size
         self.global_batch_size, self.total_steps = global_batch_size, total_steps
         self.micro_steps_per_epoch, self.datasets = micro_steps_per_epoch, datasets
         self.resumed_from = cfg.resume_path()
@@ -62,6 +68,9 @@ class Run:
         self.tracked: dict = {}
         self.skipped_steps, self.data_wait_s, self.improved = 0, 0.0, False
         self._last_scale = 1.0
+        self.stopping, self.stop_reason, self.val_step = False, None, None
+        self.keep = not cfg.fast_dev_run  # --fast-dev-run: nothing written
+        self.profiler = None
 
     @property
     def distributed(self) -> bool:
@@ -95,15 +104,20 @@ class Run:
         self.out_dir = Path(choice[0])
         self.cfg.out_dir = str(self.out_dir)
         self.log = RunLog(self.out_dir, enabled=env.master_process, tensorboard=self.cfg.tensorboard,
-                          resume_step=step if ckpt else None)
+                          resume_step=step if ckpt else None, keep=self.keep)
         train_ds, val_ds = self.datasets
         banner(self.log, script=self.script, device=self.device, cfg=self.cfg, raw_model=_module_of(model),
                train_ds=train_ds, val_ds=val_ds, global_batch_size=self.global_batch_size,
-               world_size=env.world_size, lr=self.lr, total_steps=self.total_steps, out_dir=self.out_dir,
+               world_size=self.replicas, lr=self.lr, total_steps=self.total_steps, out_dir=self.out_dir,
                resumed_from=self.resumed_from if ckpt else None, start_epoch=start_epoch, step=step)
+        if self.cfg.fast_dev_run:
+            self.log.print("fast-dev-run: one training batch, one validation batch; no outputs kept")
         self.progress = progress_bar(self.total_steps, step, enabled=self.cfg.progress and env.master_process)
         self.start_step, self.samples_at_start, self.log_samples = step, samples_seen, samples_seen
+        if self.cfg.profile:
+            self.profiler = profiling.start(self.cfg.profile_window(), step, self.device, self.out_dir, env, self.log)
         self.t_start = self.t_log = time.perf_counter()
+        self.max_time_s = self.cfg.max_time_s()
         return start_epoch, start_micro_step, step, samples_seen
 
     def _load_scaler(self, scaler, state: dict) -> None:
@@ -140,6 +154,11 @@ class Run:
         self.skipped_steps += not stepped
         return stepped
 
+    def profile(self, step: int) -> None:
+        """--profile: one optimizer step done; torch.profiler's schedule moves on (nothing when not profiling)."""
+        if self.profiler is not None:
+            self.profiler.step()
+
     def log_train(self, step: int, epoch: int, loss: float, acc: float, lr: float, samples_seen: int,
                   log_steps: int = 1) -> None:
         """A metrics.csv row and the progress bar; a NaN/inf loss stops the run (every rank alike: the numbers
@@ -157,6 +176,7 @@ class Run:
         """A metrics.csv row and a console line; early stopping and the best values see it. Returns whether it
         improved on the best so far (then save() also writes best.pt)."""
         self.improved = self.early.update(val_loss if self.cfg.monitor == "val_loss" else val_acc, epoch)
+        self.val_step = step
         self.best = {"val_loss": min(val_loss, self.best.get("val_loss", math.inf)),
                      "val_acc": max(val_acc, self.best.get("val_acc", -math.inf)), "epoch": self.early.best_epoch}
         self.log.row(step=step, epoch=epoch, split="val", loss=val_loss, acc=val_acc, lr=lr, samples_per_s=0.0,
@@ -174,6 +194,9 @@ class Run:
         (--max-steps ended mid-epoch) is where a resume starts the sampler. Under torchrun every rank takes part
         (RNG streams, ZeRO's gathers), rank 0 writes, and a barrier holds every rank until the file is on disk."""
         t = self.tracked
+        if not self.keep:  # --fast-dev-run (every rank alike: no collectives are skipped on one rank only)
+            self.improved = False
+            return
         epoch_done = micro_steps_done >= self.micro_steps_per_epoch
         rng_per_rank = [capture_rng()]
         if self.distributed:
@@ -184,7 +207,7 @@ class Run:
             checkpoint = build_checkpoint(
                 model_state=model_state, optimizer_state=optimizer_state, scheduler=t["scheduler"],
                 scaler_state=self._scaler_state(), early_stopping=self.early, cfg=self.cfg,
-                world_size=self.env.world_size, epoch=epoch + 1 if epoch_done else epoch,
+                world_size=self.replicas, epoch=epoch + 1 if epoch_done else epoch,
                 micro_steps_done=0 if epoch_done else micro_steps_done, step=step, samples_seen=samples_seen,
                 best=self.best, rng_per_rank=rng_per_rank, **extra)
             save_checkpoint(checkpoint, self.out_dir / "last.pt")
@@ -199,10 +222,21 @@ class Run:
                 "skipped_steps": self.skipped_steps}
 
     def should_stop(self, step: int) -> bool:
-        """Early stopping's decision (the same on every rank: it saw all-reduced numbers), or every step done."""
-        if self.early.should_stop:
+        """Every step done, early stopping's decision (the same on every rank: it saw all-reduced numbers), or
+        --max-time spent. The loops ask after every optimizer step and at every epoch's end; `stopping` keeps the
+        answer. The clock is rank 0's, broadcast: ranks' clocks differ, and one rank stopping alone would hang the
+        others in their next collective (one small broadcast per step, only with --max-time)."""
+        if self.early.should_stop and not self.stopping:
             self.log.print(f"early stop: {self.early.reason}")
-        return self.early.should_stop or step == self.total_steps
+        if self.max_time_s is not None and not self.stopping and not self.early.should_stop:
+            elapsed = [time.perf_counter() - self.t_start]
+            if self.distributed:
+                dist.broadcast_object_list(elapsed, src=0)
+            if elapsed[0] >= self.max_time_s:
+                self.stop_reason = f"--max-time {self.cfg.max_time} reached after step {step} ({elapsed[0]:.1f} s)"
+                self.log.print(f"stop: {self.stop_reason}")
+        self.stopping = self.stopping or bool(self.stop_reason) or self.early.should_stop or step == self.total_steps
+        return self.stopping
 
     # ------------------------------------------------------------------ the end
     def restore_best(self) -> bool:
@@ -223,6 +257,10 @@ class Run:
         """summary.json and the closing line; returns the summary."""
         if not hasattr(self, "wall_s"):
             self.restore_best()  # (not called by the loop: only closes the bar and stops the clock)
+        if self.profiler is not None:
+            profiling.stop(self.profiler)  # a run that ended inside the window still writes what it recorded
+        if self.stop_reason:
+            extra.setdefault("stop_reason", self.stop_reason)
         if restored:
             self.log.print(f"restored best weights (epoch {self.early.best_epoch + 1}): "
                            f"val_loss {val_loss:.4f} val_acc {val_acc:.4f}")
@@ -235,7 +273,7 @@ class Run:
             checkpoint=self.out_dir / "last.pt", lr=self.lr, **extra)
         self.log.write_summary(summary)
         self.log.print(f"done: val_acc {val_acc:.4f} val_loss {val_loss:.4f} after {step} steps in "
-                       f"{self.wall_s:.1f} s; outputs in {self.out_dir}")
+                       f"{self.wall_s:.1f} s; " + (f"outputs in {self.out_dir}" if self.keep else "no outputs kept"))
         self.log.close()
         return summary
 

@@ -7,6 +7,8 @@
     python launch/single.py --batch-size 32 --epochs 2                      #   (global batch 32 in both)
     torchrun --nproc_per_node=8 launch/ddp.py --device cuda --batch-size 32    # one GPU per rank, nccl
     torchrun --standalone --nproc_per_node=4 --max-restarts 1 launch/ddp.py --out-dir runs/a --resume auto
+    torchrun --nproc_per_node=3 launch/ddp.py --dataset synthetic --synthetic-size 77 --batch-size 5   # the weights
+    python launch/single.py --dataset synthetic --synthetic-size 77 --batch-size 15                    #   of this
 
 Several nodes, Slurm and static rendezvous: docs/ddp.md, "Single node, several nodes, Slurm".
 
@@ -15,7 +17,11 @@ Several nodes, Slurm and static rendezvous: docs/ddp.md, "Single node, several n
                      destroy_process_group in a finally
   the model ........ DistributedDataParallel: after each backward every rank holds the mean gradient, all-reduced
                      in buckets while backward is still running
-  the sampler ...... each rank a disjoint 1/N of one permutation, set_epoch every epoch
+  the sampler ...... each rank a disjoint 1/N of one permutation, set_epoch every epoch; no repeats when N does
+                     not divide the set: a shard one short ends in an empty micro-batch (weight 0), and every
+                     micro-batch is weighted by its share of the global window, so any size trains exactly
+  the knobs ........ --bucket-cap-mb, --gradient-as-bucket-view, --static-graph, --find-unused-parameters (DDP's
+                     constructor), --comm-hook fp16|bf16|powersgd (lossy): docs/ddp_knobs.md
   accumulation ..... no_sync() on all but a window's last micro-step: one all-reduce per optimizer step
   logging, evaluation  sums all-reduced (all_sum): exactly the single-process numbers, and the same decisions
                      (NaN abort, early stopping) on every rank
@@ -37,7 +43,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from manual_train import data
 from manual_train.config import Config
-from manual_train.distributed import DDPConfig, DistEnv, all_sum, pick_device, read_env, setup, teardown  # DDP
+# >>> DDP
+from manual_train.distributed import DDPConfig, DistEnv, all_sum, comm_hook, pick_device, read_env, setup, teardown
+# <<< DDP
 from manual_train.evaluation import evaluate
 from manual_train.models import build_model, correct_count, loss_fn
 from manual_train.optim import build_optimizer, build_scheduler, scaled_lr
@@ -69,15 +77,21 @@ def train_rank(cfg: DDPConfig, env: DistEnv, device: torch.device) -> dict:
     # <<< DDP
     seed_everything(cfg.seed)
     set_deterministic(cfg.deterministic)
+    torch.autograd.set_detect_anomaly(cfg.detect_anomaly)  # --detect-anomaly: backward names the op that made a NaN
     train_ds, val_ds, info = data.build_datasets(cfg)
-    # >>> DDP: rank r trains on perm[r::N] of the one permutation (n_train below is its share, padded with a few
-    # repeats if N does not divide the set) and evaluates indices r, r+N, ... of the validation set (no repeats)
-    sampler = data.train_sampler(train_ds, cfg.seed, env.world_size, env.rank)
+    # >>> DDP: rank r trains on perm[r::N] of the one permutation and evaluates indices r, r+N, ... of the validation
+    # set. No repeats: DistributedSampler pads a set that N does not divide with duplicates (pad=True), which then
+    # count twice; here a shard one sample short gets an empty last micro-batch instead, so every rank runs the
+    # same micro-steps (n_train below counts ceil(n / N) positions on every rank). The weights below use the whole
+    # set's numbers: n_all samples, micro_batch = N x batch samples in each micro-step (fewer in the epoch's last).
+    sampler = data.train_sampler(train_ds, cfg.seed, env.world_size, env.rank, pad=False)
     train_loader = data.build_loader(train_ds, cfg, device, batch_size=cfg.batch_size, sampler=sampler)
     val_loader = data.build_loader(data.eval_shard(val_ds, env.world_size, env.rank), cfg, device,
                                    batch_size=cfg.eval_batch_size)
+    micro_batch = cfg.batch_size * env.world_size
+    n_all = data.limit_train(len(train_ds), cfg, micro_batch)  # --limit-train-batches: this epoch's samples
     # <<< DDP
-    n_train = len(sampler)
+    n_train = data.limit_train(len(sampler), cfg)  # --limit-train-batches (--fast-dev-run: 1): the epoch's samples
     global_batch_size = cfg.batch_size * cfg.accumulate * env.world_size  # DDP: what one optimizer step averages
     micro_steps_per_epoch = data.micro_batches_per_epoch(n_train, cfg.batch_size)
     steps_per_epoch = data.steps_per_epoch(n_train, cfg.batch_size, cfg.accumulate)
@@ -88,7 +102,7 @@ def train_rank(cfg: DDPConfig, env: DistEnv, device: torch.device) -> dict:
               micro_steps_per_epoch=micro_steps_per_epoch, datasets=(train_ds, val_ds), env=env)  # DDP: rank 0 writes
 
     torch.manual_seed(cfg.seed)  # right before building: the same --seed gives the same weights in every loop
-    raw_model = build_model(cfg.model, info).to(param_dtype(cfg.precision)).to(device)  # moved once, never again
+    raw_model = build_model(cfg.model, info, cfg.dropout).to(param_dtype(cfg.precision)).to(device)  # moved once
     # >>> DDP: --sync-bn: BatchNorm statistics over the global batch, one extra all-reduce per BatchNorm layer in
     # every forward (CUDA only, refused on the CPU by DDPConfig.validate)
     if cfg.sync_bn:
@@ -98,7 +112,14 @@ def train_rank(cfg: DDPConfig, env: DistEnv, device: torch.device) -> dict:
     # >>> DDP: the constructor broadcasts rank 0's parameters and buffers, so every rank starts from the same
     # weights; it then hooks autograd so that backward all-reduces (averages) gradients in ~25 MB buckets as
     # soon as each bucket's gradients exist, overlapping communication with the rest of backward.
-    model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    # DDP's knobs (docs/ddp_knobs.md): each keeps the weights bit for bit; only a comm hook changes them (lossy).
+    model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+                bucket_cap_mb=cfg.bucket_cap_mb,  # small buckets start sending sooner but cost more calls
+                gradient_as_bucket_view=cfg.gradient_as_bucket_view,  # .grad lives in its bucket: one copy less
+                static_graph=cfg.static_graph,  # the same parameters every step: buckets planned once
+                find_unused_parameters=cfg.find_unused_parameters)  # walk each graph for unused ones (slower)
+    if cfg.comm_hook != "none":  # fp16, bf16, powersgd: fewer bytes per all-reduce, lossy (distributed.comm_hook)
+        model.register_comm_hook(*comm_hook(cfg, model))
     # the weights are equal on every rank; from here each rank draws its own random numbers (dropout masks,
     # augmentations, DataLoader workers' seeds), not one stream N times over
     seed_everything(cfg.seed + env.rank)
@@ -138,7 +159,14 @@ def train_rank(cfg: DDPConfig, env: DistEnv, device: torch.device) -> dict:
             # Accumulation: weight each micro-batch's mean loss by its share of the window's samples, so the
             # window's gradient is the mean over all its samples, as one big batch (also for the epoch's
             # last, partial window, where dividing by K would shrink it; Lightning issue 19987).
-            weight = x.shape[0] / data.window_samples(n_train, cfg.batch_size, cfg.accumulate, micro_step)
+            # >>> DDP: the window is the GLOBAL one, every rank's samples of it, and DDP divides the all-reduced sum by
+            # N, so each rank's share is times N: the mean over the window's samples also when ranks' micro-batches
+            # differ in size (weighting by a rank's own window, a mean of ranks' means, is 2e-2 off on 77 samples).
+            # An empty micro-batch (weight 0) still runs forward and backward, so its rank joins the all-reduce with
+            # exact zeros: torch's Join written out, except that every rank then also steps, logs and saves (under
+            # Join the rank that ran out skips the step, and its momentum falls behind: docs/ddp_knobs.md).
+            weight = x.shape[0] * env.world_size / data.window_samples(n_all, micro_batch, cfg.accumulate, micro_step)
+            # <<< DDP
 
             # >>> DDP: inside no_sync() backward only adds into each rank's own .grad; the window's last micro-step
             # runs outside it and its backward all-reduces the accumulated sums. One all-reduce per optimizer step,
@@ -152,21 +180,24 @@ def train_rank(cfg: DDPConfig, env: DistEnv, device: torch.device) -> dict:
 
             # Logging without retained graphs: detach() drops autograd history, so nothing of this
             # step's graph outlives the step (summing `loss` itself would chain every step's graph).
-            loss_sum += loss.detach() * weight
+            loss_sum += loss.detach() * weight if weight else 0  # DDP: an empty micro-batch's mean loss is NaN (0/0)
             correct_sum += correct_count(logits.detach(), y)
             log_targets += y.numel()
-            samples_seen += x.shape[0] * env.world_size  # DDP: every rank's micro-batch has this size (equal shards)
+            samples_seen += data.window_samples(n_all, micro_batch, 1, micro_step)  # DDP: every rank's, this micro-step
 
             if window_end:
                 scaler.unscale_(optimizer)  # true gradients before clipping (a no-op when the scaler is off)
                 if cfg.grad_clip:
                     torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.grad_clip)
+                if cfg.grad_clip_value:  # every element into [-v, v]: the direction changes (norm clipping keeps it)
+                    torch.nn.utils.clip_grad_value_(raw_model.parameters(), cfg.grad_clip_value)
                 scaler.step(optimizer)  # 16-mixed: skipped when the gradients hold inf/NaN
                 scaler.update()  # 16-mixed: halve the scale after a skip, double it after growth_interval clean steps
                 if run.stepped(scaler):  # a skipped step does not advance the schedule (Lightning's does)
                     scheduler.step()
                 step += 1
                 log_steps += 1
+                run.profile(step)  # --profile: torch.profiler's schedule moves one optimizer step on
                 if step % cfg.log_every == 0 or micro_step + 1 == micro_steps_per_epoch or step == total_steps:
                     # >>> DDP: the log window's sums from every rank: the logged loss becomes the global mean, and a
                     # NaN on any rank reaches every rank, so they all stop together. One small all-reduce per log row.
@@ -179,11 +210,27 @@ def train_rank(cfg: DDPConfig, env: DistEnv, device: torch.device) -> dict:
                                   log_steps)  # metrics.csv; a NaN loss stops the run here
                     loss_sum.zero_(), correct_sum.zero_()
                     log_steps = log_targets = 0
-                if step == total_steps:
+                # --val-every-steps, --checkpoint-every-steps: validation and last.pt inside a long epoch too (the
+                # epoch's end has its own, below). A validation that improved is saved at once (best.pt), while the
+                # weights are the evaluated ones; a resume from here starts at the next micro-batch, exactly.
+                mid_epoch = micro_step + 1 < micro_steps_per_epoch and step < total_steps
+                if cfg.val_every_steps and step % cfg.val_every_steps == 0 and mid_epoch:
+                    # >>> DDP: as at the epoch's end, below
+                    loss_total, correct, count = evaluate(model.module, val_loader, device, autocast, cfg.eval_mode)
+                    loss_total, correct, count = all_sum(loss_total, correct, count, device=device)
+                    # <<< DDP
+                    val_loss, val_acc = (loss_total / count).item(), (correct / count).item()
+                    run.log_val(step, epoch, val_loss, val_acc, scheduler.get_last_lr()[0])  # and early stopping
+                save_due = cfg.checkpoint_every_steps and step % cfg.checkpoint_every_steps == 0
+                if (save_due or run.improved) and mid_epoch:
+                    run.save(epoch, micro_step + 1, step, samples_seen)  # last.pt mid-epoch (best.pt), atomically
+                # every step done, early stopping, --max-time; or the end of a --limit-train-batches epoch
+                if run.should_stop(step) or micro_step + 1 == micro_steps_per_epoch:
                     break
 
         # -------------------------------------------------------------- evaluate, stop early, checkpoint
-        if (epoch + 1) % cfg.eval_every == 0 or epoch + 1 == num_epochs or step == total_steps:
+        # (not again at a step a mid-epoch validation has just evaluated, nor when stopping right after it)
+        if ((epoch + 1) % cfg.eval_every == 0 or epoch + 1 == num_epochs or run.stopping) and run.val_step != step:
             # >>> DDP: each rank evaluates its shard with the wrapped module itself (DDP's forward would broadcast
             # buffers from rank 0 on every call: a collective, which hangs when shards differ in batch count); the
             # all-reduced sums are the single-process sums, so every rank gets the same numbers (and decisions)

@@ -63,6 +63,7 @@ def train_rank(cfg: HybridConfig, env: DistEnv, group_a: list, group_b: list) ->
     device = group_b[0]  # HYBRID: the decoder's: where the logits, the loss, the sums and evaluation live
     seed_everything(cfg.seed)
     set_deterministic(cfg.deterministic)
+    torch.autograd.set_detect_anomaly(cfg.detect_anomaly)  # --detect-anomaly: backward names the op that made a NaN
     train_ds, val_ds, info = data.build_datasets(cfg)
     # >>> HYBRID: rank r trains on perm[r::N] of the one permutation and evaluates its own disjoint validation shard
     sampler = data.train_sampler(train_ds, cfg.seed, env.world_size, env.rank)
@@ -70,7 +71,7 @@ def train_rank(cfg: HybridConfig, env: DistEnv, group_a: list, group_b: list) ->
     val_loader = data.build_loader(data.eval_shard(val_ds, env.world_size, env.rank), cfg, device,
                                    batch_size=cfg.eval_batch_size)
     # <<< HYBRID
-    n_train = len(sampler)
+    n_train = data.limit_train(len(sampler), cfg)  # --limit-train-batches (--fast-dev-run: 1): the epoch's samples
     global_batch_size = cfg.batch_size * cfg.accumulate * env.world_size  # HYBRID: what one optimizer step averages
     micro_steps_per_epoch = data.micro_batches_per_epoch(n_train, cfg.batch_size)
     steps_per_epoch = data.steps_per_epoch(n_train, cfg.batch_size, cfg.accumulate)
@@ -150,12 +151,15 @@ def train_rank(cfg: HybridConfig, env: DistEnv, group_a: list, group_b: list) ->
                 scaler.unscale_(optimizer)  # true gradients before clipping (a no-op when the scaler is off)
                 if cfg.grad_clip:
                     torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.grad_clip)
+                if cfg.grad_clip_value:  # every element into [-v, v]: the direction changes (norm clipping keeps it)
+                    torch.nn.utils.clip_grad_value_(raw_model.parameters(), cfg.grad_clip_value)
                 scaler.step(optimizer)  # 16-mixed: skipped when the gradients hold inf/NaN
                 scaler.update()  # 16-mixed: halve the scale after a skip, double it after growth_interval clean steps
                 if run.stepped(scaler):  # a skipped step does not advance the schedule (Lightning's does)
                     scheduler.step()
                 step += 1
                 log_steps += 1
+                run.profile(step)  # --profile: torch.profiler's schedule moves one optimizer step on
                 if step % cfg.log_every == 0 or micro_step + 1 == micro_steps_per_epoch or step == total_steps:
                     # >>> HYBRID: the log window's sums from every rank: the logged loss becomes the global mean, and a
                     # NaN on any rank reaches every rank, so they all stop together. One small all-reduce per log row.
@@ -168,11 +172,27 @@ def train_rank(cfg: HybridConfig, env: DistEnv, group_a: list, group_b: list) ->
                                   log_steps)  # metrics.csv; a NaN loss stops the run here
                     loss_sum.zero_(), correct_sum.zero_()
                     log_steps = log_targets = 0
-                if step == total_steps:
+                # --val-every-steps, --checkpoint-every-steps: validation and last.pt inside a long epoch too (the
+                # epoch's end has its own, below). A validation that improved is saved at once (best.pt), while the
+                # weights are the evaluated ones; a resume from here starts at the next micro-batch, exactly.
+                mid_epoch = micro_step + 1 < micro_steps_per_epoch and step < total_steps
+                if cfg.val_every_steps and step % cfg.val_every_steps == 0 and mid_epoch:
+                    # >>> HYBRID: as at the epoch's end, below
+                    loss_total, correct, count = evaluate(model.module, val_loader, device, autocast, cfg.eval_mode)
+                    loss_total, correct, count = all_sum(loss_total, correct, count, device=device)
+                    # <<< HYBRID
+                    val_loss, val_acc = (loss_total / count).item(), (correct / count).item()
+                    run.log_val(step, epoch, val_loss, val_acc, scheduler.get_last_lr()[0])  # and early stopping
+                save_due = cfg.checkpoint_every_steps and step % cfg.checkpoint_every_steps == 0
+                if (save_due or run.improved) and mid_epoch:
+                    run.save(epoch, micro_step + 1, step, samples_seen)  # last.pt mid-epoch (best.pt), atomically
+                # every step done, early stopping, --max-time; or the end of a --limit-train-batches epoch
+                if run.should_stop(step) or micro_step + 1 == micro_steps_per_epoch:
                     break
 
         # -------------------------------------------------------------- evaluate, stop early, checkpoint
-        if (epoch + 1) % cfg.eval_every == 0 or epoch + 1 == num_epochs or step == total_steps:
+        # (not again at a step a mid-epoch validation has just evaluated, nor when stopping right after it)
+        if ((epoch + 1) % cfg.eval_every == 0 or epoch + 1 == num_epochs or run.stopping) and run.val_step != step:
             # >>> HYBRID: each rank evaluates its shard with the split itself (DDP's forward would broadcast buffers
             # from rank 0 on every call: a collective, which hangs when shards differ in batch count); the summed
             # sums are the full set's, exactly, so every rank gets the same numbers (and early-stopping decisions)

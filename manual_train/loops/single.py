@@ -37,11 +37,12 @@ def train(cfg: Config) -> dict:
     device = resolve_device(cfg.device)
     seed_everything(cfg.seed)
     set_deterministic(cfg.deterministic)
+    torch.autograd.set_detect_anomaly(cfg.detect_anomaly)  # --detect-anomaly: backward names the op that made a NaN
     train_ds, val_ds, info = data.build_datasets(cfg)
     sampler = data.train_sampler(train_ds, cfg.seed)  # DistributedSampler's order at world size 1
     train_loader = data.build_loader(train_ds, cfg, device, batch_size=cfg.batch_size, sampler=sampler)
     val_loader = data.build_loader(val_ds, cfg, device, batch_size=cfg.eval_batch_size)
-    n_train = len(sampler)
+    n_train = data.limit_train(len(sampler), cfg)  # --limit-train-batches (--fast-dev-run: 1): the epoch's samples
     global_batch_size = cfg.batch_size * cfg.accumulate
     micro_steps_per_epoch = data.micro_batches_per_epoch(n_train, cfg.batch_size)
     steps_per_epoch = data.steps_per_epoch(n_train, cfg.batch_size, cfg.accumulate)
@@ -52,7 +53,7 @@ def train(cfg: Config) -> dict:
               micro_steps_per_epoch=micro_steps_per_epoch, datasets=(train_ds, val_ds))  # checks --resume
 
     torch.manual_seed(cfg.seed)  # right before building: the same --seed gives the same weights in every loop
-    raw_model = build_model(cfg.model, info).to(param_dtype(cfg.precision)).to(device)  # moved once, never again
+    raw_model = build_model(cfg.model, info, cfg.dropout).to(param_dtype(cfg.precision)).to(device)  # moved once
     model = CastInputs(raw_model) if cfg.precision == "64-true" else raw_model  # 64-true: float64 inputs too
     optimizer = build_optimizer(cfg, raw_model.parameters(), lr)
     scheduler = build_scheduler(cfg, optimizer, total_steps)
@@ -107,12 +108,15 @@ def train(cfg: Config) -> dict:
                 scaler.unscale_(optimizer)  # true gradients before clipping (a no-op when the scaler is off)
                 if cfg.grad_clip:
                     torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.grad_clip)
+                if cfg.grad_clip_value:  # every element into [-v, v]: the direction changes (norm clipping keeps it)
+                    torch.nn.utils.clip_grad_value_(raw_model.parameters(), cfg.grad_clip_value)
                 scaler.step(optimizer)  # 16-mixed: skipped when the gradients hold inf/NaN
                 scaler.update()  # 16-mixed: halve the scale after a skip, double it after growth_interval clean steps
                 if run.stepped(scaler):  # a skipped step does not advance the schedule (Lightning's does)
                     scheduler.step()
                 step += 1
                 log_steps += 1
+                run.profile(step)  # --profile: torch.profiler's schedule moves one optimizer step on
                 if step % cfg.log_every == 0 or micro_step + 1 == micro_steps_per_epoch or step == total_steps:
                     # .item() is a host sync: it waits for every queued kernel. Here once per log row.
                     train_loss = (loss_sum / log_steps).item()
@@ -121,11 +125,24 @@ def train(cfg: Config) -> dict:
                                   log_steps)  # metrics.csv; a NaN loss stops the run here
                     loss_sum.zero_(), correct_sum.zero_()
                     log_steps = log_targets = 0
-                if step == total_steps:
+                # --val-every-steps, --checkpoint-every-steps: validation and last.pt inside a long epoch too (the
+                # epoch's end has its own, below). A validation that improved is saved at once (best.pt), while the
+                # weights are the evaluated ones; a resume from here starts at the next micro-batch, exactly.
+                mid_epoch = micro_step + 1 < micro_steps_per_epoch and step < total_steps
+                if cfg.val_every_steps and step % cfg.val_every_steps == 0 and mid_epoch:
+                    loss_total, correct, count = evaluate(model, val_loader, device, autocast, cfg.eval_mode)
+                    val_loss, val_acc = (loss_total / count).item(), (correct / count).item()
+                    run.log_val(step, epoch, val_loss, val_acc, scheduler.get_last_lr()[0])  # and early stopping
+                save_due = cfg.checkpoint_every_steps and step % cfg.checkpoint_every_steps == 0
+                if (save_due or run.improved) and mid_epoch:
+                    run.save(epoch, micro_step + 1, step, samples_seen)  # last.pt mid-epoch (best.pt), atomically
+                # every step done, early stopping, --max-time; or the end of a --limit-train-batches epoch
+                if run.should_stop(step) or micro_step + 1 == micro_steps_per_epoch:
                     break
 
         # -------------------------------------------------------------- evaluate, stop early, checkpoint
-        if (epoch + 1) % cfg.eval_every == 0 or epoch + 1 == num_epochs or step == total_steps:
+        # (not again at a step a mid-epoch validation has just evaluated, nor when stopping right after it)
+        if ((epoch + 1) % cfg.eval_every == 0 or epoch + 1 == num_epochs or run.stopping) and run.val_step != step:
             loss_total, correct, count = evaluate(model, val_loader, device, autocast, cfg.eval_mode)
             val_loss, val_acc = (loss_total / count).item(), (correct / count).item()  # host sync, once per eval
             run.log_val(step, epoch, val_loss, val_acc, scheduler.get_last_lr()[0])  # and early stopping
