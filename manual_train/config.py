@@ -44,6 +44,7 @@ def arg(default, help: str, *, choices: Optional[Sequence] = None, min: Optional
 
 DATASETS = ("digits", "mnist", "fashion-mnist", "cifar10", "synthetic", "reverse")
 MODELS = ("mlp", "cnn", "resnet18", "seq2seq", "gpt")
+CHECKPOINTING = ("none", "full", "selective")  # --activation-checkpointing (manual_train/models.py, docs/levers.md)
 PRECISIONS = ("32-true", "64-true", "16-mixed", "bf16-mixed")
 # apex's O2 is its own lesson: only launch/apex_o2.py takes these (manual_train.precision.O2Config, loops/apex_o2.py)
 O2_PRECISIONS = ("16-o2", "apex-o2")
@@ -74,6 +75,9 @@ class Config:
     synthetic_classes: int = arg(10, "number of classes for --dataset synthetic", min=2)
     # model
     model: str = arg("cnn", "model to train (seq2seq and gpt only with --dataset reverse)", choices=MODELS)
+    activation_checkpointing: str = arg("none", "recompute activations in backward instead of keeping them, per "
+                                                "block (gpt, resnet18): full, or selective (matmul and attention "
+                                                "outputs kept); less memory for more time", choices=CHECKPOINTING)
     # schedule
     epochs: int = arg(10, "total epochs (a resumed run continues up to this number)", min=1)
     max_steps: Optional[int] = arg(None, "stop after this many optimizer steps (overrides --epochs)", min=1)
@@ -86,6 +90,10 @@ class Config:
     base_batch_size: int = arg(32, "global batch size at which --lr was tuned (for --lr-scaling)", min=1)
     optimizer: str = arg("sgd", "sgd (momentum 0.9) or adamw", choices=("sgd", "adamw"))
     weight_decay: float = arg(0.0, "weight decay", min=0)
+    optimizer_impl: Optional[str] = arg(None, "optimizer kernels: for-loop (one op per tensor), foreach (one op per "
+                                              "step of the math) or fused (one kernel); default: the fastest that "
+                                              "applies to the device and dtype (fused on CPU and CUDA)",
+                                         choices=("for-loop", "foreach", "fused"))
     grad_clip: Optional[float] = arg(None, "clip the global gradient norm to this value (after unscaling)",
                                      min=0, min_exclusive=True, metavar="NORM")
     schedule: str = arg("cosine", "LR schedule over all optimizer steps", choices=("cosine", "constant"))
@@ -184,6 +192,9 @@ class Config:
         """The everyday tools' flags (docs/everyday.md); --fast-dev-run sets the limits it stands for."""
         if self.dropout and self.model in ("resnet18", "seq2seq"):
             raise UsageError("--dropout", f"--model {self.model} has no dropout here", "0, or --model mlp, cnn, gpt")
+        if self.activation_checkpointing != "none" and self.model not in ("gpt", "resnet18"):
+            raise UsageError("--activation-checkpointing", f"--model {self.model} has no repeated blocks to "
+                             "checkpoint", "none, or --model gpt or resnet18")
         if self.grad_clip and self.grad_clip_value:
             raise UsageError("--grad-clip-value", "clips by value; --grad-clip clips by norm: choose one")
         for name in ("limit_train_batches", "limit_val_batches"):

@@ -28,10 +28,10 @@ from manual_train.config import Config, UsageError, arg, parse_config
 
 # The Config fields one trial step reads that can change its memory (the rest keep their defaults): the data
 # (its shape, and the training-set size, the default --max-batch-size), the model, the precision, the
-# optimizer (its state), the device, and the seed of the weights. --lr, --weight-decay and the loss-scale flags
+# optimizer (its state and kernel), activation checkpointing, the device, and the seed of the weights. --lr, --weight-decay and the loss-scale flags
 # are read too but change no byte, so they are not offered.
 STEP_FLAGS = ("dataset", "data_root", "download", "synthetic_size", "synthetic_shape", "synthetic_classes", "model",
-              "optimizer", "precision", "device", "seed")
+              "optimizer", "optimizer_impl", "precision", "activation_checkpointing", "device", "seed")
 
 
 @dataclass
@@ -65,14 +65,14 @@ FIELDS = STEP_FLAGS + tuple(f.name for f in dataclasses.fields(FindConfig) if f.
 
 def _one_step(cfg: FindConfig, device, train_ds, info, batch_size: int) -> None:
     """One real training step at `batch_size` (samples repeated if the set is smaller)."""
-    from manual_train.models import build_model, loss_fn
+    from manual_train.models import build_model_from, loss_fn
     from manual_train.optim import build_optimizer
     from manual_train.precision import CastInputs, autocast_for, param_dtype
 
     idx = torch.arange(batch_size) % len(train_ds)
     x, y = torch.utils.data.default_collate([train_ds[int(i)] for i in idx])
     torch.manual_seed(cfg.seed)
-    raw_model = build_model(cfg.model, info).to(param_dtype(cfg.precision)).to(device)  # as loops/single.py
+    raw_model = build_model_from(cfg, info).to(param_dtype(cfg.precision)).to(device)  # as loops/single.py
     model = CastInputs(raw_model) if cfg.precision == "64-true" else raw_model
     optimizer = build_optimizer(cfg, raw_model.parameters(), cfg.lr)
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "16-mixed")

@@ -204,8 +204,95 @@ class GPT(nn.Module):
         return self.head(self.ln_f(x))
 
 
-def build_model(name: str, info: DataInfo, dropout: float = 0.0) -> nn.Module:
-    """The model called `name`, sized for the data in `info`; `dropout` (--dropout) for mlp, cnn and gpt."""
+CHECKPOINTED_MODELS = ("gpt", "resnet18")  # the models built of repeated blocks
+# selective: the outputs of these ops are kept, everything between them (LayerNorm, GELU, softmax-free
+# attention's bookkeeping, BatchNorm, ReLU, the residual adds) is recomputed in backward. They are the costly
+# ops to redo (O(n^3) FLOPs against the O(n^2) of the element-wise rest), so most of the saving costs little time.
+_SAVED_OPS = ("mm", "addmm", "bmm", "convolution", "_scaled_dot_product_flash_attention_for_cpu",
+              "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+              "_scaled_dot_product_cudnn_attention")
+
+
+def _keep_matmuls(ctx, op, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    saved = any(op is getattr(torch.ops.aten, name).default for name in _SAVED_OPS if hasattr(torch.ops.aten, name))
+    return CheckpointPolicy.MUST_SAVE if saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class Recomputed:
+    """Mixin: forward runs under torch.utils.checkpoint (non-reentrant), activations recomputed in backward.
+
+    Swapped in as the class of each block (`checkpoint_blocks`), so parameter names, state_dict and every caller
+    (pipeline stages, DataParallel replicas) stay the same. Training mode only: evaluation saves nothing anyway.
+    BatchNorm would update its running statistics twice (forward and recompute), so the recompute runs with momentum 0
+    and no batch count (its running update is then `1 * running + 0 * batch`, bitwise the old value): the same
+    output, the buffers updated once. (Cloning the buffers instead would be an extra op inside the recompute,
+    which selective checkpointing refuses.)
+    """
+
+    checkpointing = "full"
+
+    def forward(self, *args):
+        if not (self.training and torch.is_grad_enabled()):
+            return super().forward(*args)
+        from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+        calls = []
+
+        def run(*inputs):
+            calls.append(None)
+            if len(calls) == 1:
+                return super(Recomputed, self).forward(*inputs)
+            norms = [m for m in self.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+            kept = [(m, m.momentum, m.num_batches_tracked) for m in norms]
+            for m in norms:  # momentum 0: running = 1 * running + 0 * batch, bitwise; no count to add 1 to
+                m.momentum, m.num_batches_tracked = 0.0, None
+            try:
+                return super(Recomputed, self).forward(*inputs)
+            finally:
+                for m, momentum, count in kept:
+                    m.momentum, m.num_batches_tracked = momentum, count
+
+        context = {"context_fn": lambda: create_selective_checkpoint_contexts(_keep_matmuls)}
+        return checkpoint(run, *args, use_reentrant=False, **(context if self.checkpointing == "selective" else {}))
+
+
+_RECOMPUTED: dict = {}
+
+
+def checkpoint_blocks(blocks, mode: str) -> None:
+    """--activation-checkpointing: each block of `blocks` recomputes its activations in backward (full) or all
+    but its matmul and attention outputs (selective); "none" leaves them as they are."""
+    for block in blocks if mode != "none" else ():
+        cls = type(block)
+        if cls not in _RECOMPUTED:
+            _RECOMPUTED[cls] = type(f"Recomputed{cls.__name__}", (Recomputed, cls), {})
+        block.__class__ = _RECOMPUTED[cls]
+        block.checkpointing = mode
+
+
+def build_model(name: str, info: DataInfo, dropout: float = 0.0, activation_checkpointing: str = "none") -> nn.Module:
+    """The model called `name`, sized for the data in `info`; `dropout` (--dropout) for mlp, cnn and gpt;
+    `activation_checkpointing` (--activation-checkpointing) for gpt and resnet18 (docs/levers.md)."""
+    model = _build_model(name, info, dropout)
+    if name == "gpt":
+        checkpoint_blocks(model.blocks, activation_checkpointing)
+    elif name == "resnet18":
+        checkpoint_blocks([b for layer in (model.layer1, model.layer2, model.layer3, model.layer4) for b in layer],
+                          activation_checkpointing)
+    elif activation_checkpointing != "none":
+        raise UsageError("--activation-checkpointing", f"--model {name} has no repeated blocks to checkpoint",
+                         "none, or --model " + " or ".join(CHECKPOINTED_MODELS))
+    return model
+
+
+def build_model_from(cfg, info: DataInfo) -> nn.Module:
+    """build_model with the run's model flags (--model, --dropout, --activation-checkpointing): the loops' call."""
+    return build_model(cfg.model, info, cfg.dropout, cfg.activation_checkpointing)
+
+
+def _build_model(name: str, info: DataInfo, dropout: float) -> nn.Module:
     if name == "mlp":
         return MLP(info.input_shape, info.num_classes, dropout=dropout)
     if name == "cnn":

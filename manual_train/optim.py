@@ -1,11 +1,15 @@
-"""Optimizer, LR schedule and LR scaling with the batch size (docs/batch_size.md)."""
+"""Optimizer (and its implementation, docs/levers.md), LR schedule and LR scaling with the batch size
+(docs/batch_size.md)."""
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
+from torch.optim.optimizer import _get_fused_kernels_supported_devices
 
 from manual_train.config import Config
+from manual_train.errors import UsageError
 
 
 def scaled_lr(cfg: Config, global_batch_size: int) -> float:
@@ -22,10 +26,55 @@ def scaled_lr(cfg: Config, global_batch_size: int) -> float:
     return cfg.lr
 
 
+def resolve_impl(impl: Optional[str], params: list) -> str:
+    """--optimizer-impl, or (None) the fastest that applies to these parameters' device and dtype.
+
+    fused: one kernel per (device, dtype) group that reads each parameter, gradient and state once (torch's CPU
+    kernels since 2.4, CUDA, MPS, XPU): 4.2x (SGD) and 5.3x (AdamW) as fast as for-loop on a 2-core CPU
+    (docs/levers.md); floating parameters only. foreach: one multi-tensor op per math step (few CUDA launches; on the CPU a loop in C++, no
+    faster than for-loop here). for-loop: one Python-driven op per parameter per math step, what torch.optim
+    runs on the CPU when neither is asked for, and the one every kernel is checked against.
+    """
+    if impl is not None:
+        return impl
+    fused_devices = _get_fused_kernels_supported_devices()
+    if params and all(p.device.type in fused_devices and p.is_floating_point() for p in params):
+        return "fused"
+    return "foreach" if params and all(p.is_cuda for p in params) else "for-loop"
+
+
 def build_optimizer(cfg: Config, params, lr: float) -> torch.optim.Optimizer:
+    params = list(params)
+    impl = resolve_impl(getattr(cfg, "optimizer_impl", None), params)
+    kwargs = dict(lr=lr, weight_decay=cfg.weight_decay, foreach=impl == "foreach", fused=impl == "fused" or None)
     if cfg.optimizer == "adamw":
-        return torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay)
-    return torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=cfg.weight_decay)
+        optimizer = torch.optim.AdamW(params, **kwargs)
+    else:
+        optimizer = torch.optim.SGD(params, momentum=0.9, **kwargs)
+    return keep_impl(optimizer)
+
+
+def keep_impl(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """Keep this optimizer's implementation across load_state_dict (--resume).
+
+    load_state_dict copies the checkpoint's param_groups, "fused" and "foreach" included: a run resumed with
+    another --optimizer-impl would silently step with the checkpoint's. The state itself (step, exp_avg,
+    exp_avg_sq, momentum_buffer) has one layout for all three, so only the two keys are put back.
+    """
+    chosen = {k: optimizer.param_groups[0].get(k) for k in ("foreach", "fused")}
+    optimizer.register_load_state_dict_post_hook(lambda opt: [g.update(chosen) for g in opt.param_groups])
+    return optimizer
+
+
+def dtensor_kwargs(optimizer_class, kwargs: dict, impl: Optional[str]) -> dict:
+    """kwargs for optimizer_class over DTensor parameters (FSDP2): DTensor has no sharding rule for fused SGD's
+    kernel (torch 2.14), so the fastest that applies is foreach; an explicit --optimizer-impl fused is refused."""
+    if not (kwargs.get("fused") and optimizer_class is torch.optim.SGD):
+        return kwargs
+    if impl == "fused":
+        raise UsageError("--optimizer-impl", "fused SGD does not run on FSDP2's DTensor parameters (torch has no "
+                         "sharding rule for it)", "foreach, for-loop, or --optimizer adamw")
+    return {**kwargs, "fused": None, "foreach": True}
 
 
 def build_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, total_steps: int):

@@ -43,6 +43,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from manual_train.config import UsageError, arg
 from manual_train.distributed import DDPConfig
+from manual_train.optim import dtensor_kwargs, keep_impl
 from manual_train.precision import CastInputs
 
 IMPLS = ("torch", "fairscale")
@@ -347,7 +348,8 @@ def _fsdp2(optimizer_class, kwargs: dict, raw_model: nn.Module, cfg: ZeroConfig,
     for parent, name in blocks(raw_model):
         fully_shard(getattr(parent, name), mesh=mesh, reshard_after_forward=cfg.stage == 3, mp_policy=mp_policy)
     fully_shard(raw_model, mesh=mesh, reshard_after_forward=cfg.stage == 3, mp_policy=mp_policy)  # the rest
-    optimizer = optimizer_class(raw_model.parameters(), **kwargs)  # over the DTensor shards
+    kwargs = dtensor_kwargs(optimizer_class, kwargs, cfg.optimizer_impl)  # no fused SGD on DTensors
+    optimizer = keep_impl(optimizer_class(raw_model.parameters(), **kwargs))  # over the DTensor shards
     return FSDP2Sharded(raw_model, optimizer, raw_model=raw_model, cfg=cfg, device=device, **spec)
 
 

@@ -118,6 +118,10 @@ NUMBERS = [
     (["--profile-steps=-1:3"], "--profile-steps", "'-1:3' is not a window A:B of steps"),
     (["--summary-depth=-1"], "--summary-depth", "-1 is out of range (allowed: >= 0)"),
     (["--fast-dev-run", "--resume", "auto"], "--fast-dev-run", "keeps no outputs and trains one step"),
+    (["--activation-checkpointing", "full"], "--activation-checkpointing",
+     "--model cnn has no repeated blocks to checkpoint (allowed: none, or --model gpt or resnet18)"),
+    (["--activation-checkpointing", "some"], "--activation-checkpointing", "invalid choice: 'some'"),
+    (["--optimizer-impl", "apex"], "--optimizer-impl", "invalid choice: 'apex'"),
 ]
 
 

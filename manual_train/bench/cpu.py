@@ -20,6 +20,7 @@ from pathlib import Path
 
 from manual_train.bench.ddp_knobs import ddp_knobs
 from manual_train.bench.harness import Bench, Goal, Outcome, interleave, mib, ratio_row, value_row
+from manual_train.bench.levers import levers
 
 # What the two source articles (docs/benchmarks.md quotes them) promise, per technique.
 CLAIM_WORKERS = "num_workers = CPU count (art. 2); num_workers=10 is the fast way (art. 1)"
@@ -638,5 +639,7 @@ ENTRIES = {
     "zero_memory": (zero_memory, "per-rank bytes of DDP and each ZeRO stage at N = 2, 4 vs the paper's formula"),
     "ddp_knobs": (ddp_knobs, "gradient bytes with/without bucket views, bytes per step per --comm-hook, step time vs "
                              "bucket cap and the other DDP knobs"),
+    "levers": (levers, "optimizer step time per --optimizer-impl vs for-loop (and deviation); peak live tensor "
+                       "bytes and step time per --activation-checkpointing vs none"),
     "pipeline_bubble": (pipeline_bubble, "GPipe idle fraction per stage vs (p-1)/(m+p-1), m = 1, 2, 4, 8"),
 }

@@ -29,7 +29,7 @@ import torch
 from manual_train import data
 from manual_train.config import Config
 from manual_train.evaluation import evaluate
-from manual_train.models import build_model, correct_count, loss_fn
+from manual_train.models import build_model_from, correct_count, loss_fn
 from manual_train.optim import build_optimizer, build_scheduler, scaled_lr
 # >>> O2: its flags (O2Config) and the small pieces it reuses (manual_train/precision.py)
 from manual_train.precision import (ApexScaler, DynamicLossScaler, O2Config, O2Forward, O2Masters, apex_amp_or_error,
@@ -62,7 +62,7 @@ def train(cfg: O2Config) -> dict:  # O2
               micro_steps_per_epoch=micro_steps_per_epoch, datasets=(train_ds, val_ds))  # checks --resume
 
     torch.manual_seed(cfg.seed)  # right before building: the same --seed gives the same weights in every loop
-    raw_model = build_model(cfg.model, info, cfg.dropout).to(param_dtype(cfg.precision)).to(device)  # moved once
+    raw_model = build_model_from(cfg, info).to(param_dtype(cfg.precision)).to(device)  # moved once
     # >>> O2: fp32 master copies of the weights, cloned BEFORE the cast (apex cloned after it, rounding the initial
     # weights once; cloning first keeps them). Then the model to fp16 except BatchNorm, whose running variance and
     # reductions lose too much in fp16 (cast_o2); O2Forward casts its inputs to fp16 and its outputs to fp32, so the

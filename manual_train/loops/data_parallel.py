@@ -33,7 +33,7 @@ import torch.nn as nn  # DP: nn.DataParallel
 from manual_train import data
 from manual_train.config import Config
 from manual_train.evaluation import evaluate
-from manual_train.models import build_model, correct_count, loss_fn
+from manual_train.models import build_model_from, correct_count, loss_fn
 from manual_train.optim import build_optimizer, build_scheduler, scaled_lr
 from manual_train.parallel import DPConfig, ExplicitDataParallel, dp_plan, peak_mem_per_device  # DP
 from manual_train.precision import CastInputs, autocast_for, param_dtype
@@ -70,7 +70,7 @@ def train(cfg: DPConfig) -> dict:  # DP: the baseline's flags plus --devices, --
               micro_steps_per_epoch=micro_steps_per_epoch, datasets=(train_ds, val_ds))  # checks --resume
 
     torch.manual_seed(cfg.seed)  # right before building: the same --seed gives the same weights in every loop
-    raw_model = build_model(cfg.model, info, cfg.dropout).to(param_dtype(cfg.precision)).to(devices[0])  # DP
+    raw_model = build_model_from(cfg, info).to(param_dtype(cfg.precision)).to(devices[0])  # DP
     model = CastInputs(raw_model) if cfg.precision == "64-true" else raw_model  # 64-true: float64 inputs too
     # >>> DP: decided once; both return the whole batch's logits on `device`. --impl explicit is DataParallel's
     # forward in four steps (manual_train/parallel.py): scatter the batch into chunks along dim 0 (32 over 2 devices:

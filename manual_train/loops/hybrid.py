@@ -32,7 +32,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # HYBRID
 from manual_train import data
 from manual_train.distributed import DistEnv, all_sum, read_env, setup, teardown  # HYBRID
 from manual_train.evaluation import evaluate
-from manual_train.models import build_model, correct_count, loss_fn
+from manual_train.models import build_model_from, correct_count, loss_fn
 from manual_train.optim import build_optimizer, build_scheduler, scaled_lr
 # >>> HYBRID: the config, the split and the summary's device keys (device lists replace resolve_device)
 from manual_train.hybrid_setup import DEFAULTS, HybridConfig, describe, split_model, summary_extra
@@ -83,7 +83,7 @@ def train_rank(cfg: HybridConfig, env: DistEnv, group_a: list, group_b: list) ->
               env=env)  # HYBRID: rank 0 alone writes; every rank joins the collectives run's calls make
 
     torch.manual_seed(cfg.seed)  # right before building: the same --seed gives the same weights in every loop
-    raw_model = build_model(cfg.model, info).to(param_dtype(cfg.precision))  # HYBRID: the split places it
+    raw_model = build_model_from(cfg, info).to(param_dtype(cfg.precision))  # HYBRID: the split places it
     # >>> HYBRID: each half moved once, to its device (seq2seq's inputs are token ids: 64-true casts none). DDP over
     # the split without device_ids: the module spans two devices, so DDP must not move inputs or outputs. It
     # broadcasts rank 0's weights now, and in backward all-reduces (averages) the gradients in buckets, per

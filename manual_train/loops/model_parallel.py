@@ -31,7 +31,7 @@ import torch
 from manual_train import data
 from manual_train.config import Config
 from manual_train.evaluation import evaluate
-from manual_train.models import build_model, correct_count, loss_fn
+from manual_train.models import build_model_from, correct_count, loss_fn
 from manual_train.optim import build_optimizer, build_scheduler, scaled_lr
 # >>> MP
 from manual_train import parallel  # split_encoder_decoder, the fill-drain schedule, device lists
@@ -74,7 +74,7 @@ def train(cfg: MPConfig) -> dict:  # MP: the baseline's flags plus --devices, --
               micro_steps_per_epoch=micro_steps_per_epoch, datasets=(train_ds, val_ds))  # checks --resume
 
     torch.manual_seed(cfg.seed)  # right before building: the same --seed gives the same weights in every loop
-    raw_model = build_model(cfg.model, info).to(param_dtype(cfg.precision))  # MP: not moved whole: split below
+    raw_model = build_model_from(cfg, info).to(param_dtype(cfg.precision))  # MP: not moved whole: split below
     # >>> MP: moved once: the encoder to A, the decoder to B. `model` holds raw_model's own submodules (no copy), so
     # the optimizer, clipping and checkpoints see raw_model's parameters, wherever they live; its forward sends the
     # source row to A, the decoder-input row to B, and the encoder's hidden state from A to B with .to(B).

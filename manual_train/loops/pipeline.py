@@ -33,7 +33,7 @@ from manual_train import data
 from manual_train.config import Config
 from manual_train.distributed import DistEnv, all_sum, pick_device, read_env, setup, teardown  # PIPE
 from manual_train.evaluation import evaluate
-from manual_train.models import build_model  # PIPE: the loss and its accuracy are the last stage's (pipelining)
+from manual_train.models import build_model_from  # PIPE: the loss and its accuracy are the last stage's (pipelining)
 from manual_train.optim import build_optimizer, build_scheduler, scaled_lr
 from manual_train.pipelining import Pipeline, PipelineConfig  # PIPE
 from manual_train.precision import CastInputs, autocast_for, param_dtype
@@ -80,7 +80,7 @@ def train_rank(cfg: PipelineConfig, env: DistEnv, device: torch.device) -> dict:
               replicas=1)  # PIPE: rank 0 writes; the stages share every batch: one data-parallel replica
 
     torch.manual_seed(cfg.seed)  # right before building: the same --seed gives the same weights in every loop
-    raw_model = build_model(cfg.model, info, cfg.dropout).to(param_dtype(cfg.precision)).to(device)  # moved once
+    raw_model = build_model_from(cfg, info).to(param_dtype(cfg.precision)).to(device)  # moved once
     # >>> PIPE: every rank built the whole model from the seed (the baseline's weights) and keeps its stage of it;
     # the other layers are freed. Its state_dict() gathers every stage's: a checkpoint is the full GPT's.
     raw_model = Pipeline(raw_model, cfg, env, device)

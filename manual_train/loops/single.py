@@ -23,7 +23,7 @@ import torch
 from manual_train import data
 from manual_train.config import Config
 from manual_train.evaluation import evaluate
-from manual_train.models import build_model, correct_count, loss_fn
+from manual_train.models import build_model_from, correct_count, loss_fn
 from manual_train.optim import build_optimizer, build_scheduler, scaled_lr
 from manual_train.precision import CastInputs, autocast_for, param_dtype
 from manual_train.run import Run
@@ -53,7 +53,7 @@ def train(cfg: Config) -> dict:
               micro_steps_per_epoch=micro_steps_per_epoch, datasets=(train_ds, val_ds))  # checks --resume
 
     torch.manual_seed(cfg.seed)  # right before building: the same --seed gives the same weights in every loop
-    raw_model = build_model(cfg.model, info, cfg.dropout).to(param_dtype(cfg.precision)).to(device)  # moved once
+    raw_model = build_model_from(cfg, info).to(param_dtype(cfg.precision)).to(device)  # moved once
     model = CastInputs(raw_model) if cfg.precision == "64-true" else raw_model  # 64-true: float64 inputs too
     optimizer = build_optimizer(cfg, raw_model.parameters(), lr)
     scheduler = build_scheduler(cfg, optimizer, total_steps)

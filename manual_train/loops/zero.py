@@ -42,7 +42,7 @@ from manual_train import data
 from manual_train.config import Config
 from manual_train.distributed import DistEnv, all_sum, pick_device, read_env, setup, teardown  # ZERO: not DDPConfig
 from manual_train.evaluation import evaluate
-from manual_train.models import build_model, correct_count, loss_fn
+from manual_train.models import build_model_from, correct_count, loss_fn
 from manual_train.optim import build_optimizer, build_scheduler, scaled_lr
 from manual_train.precision import CastInputs, autocast_for, param_dtype
 from manual_train.run import Run
@@ -98,7 +98,7 @@ def train_rank(cfg: ZeroConfig, env: DistEnv, device: torch.device) -> dict:  # 
               micro_steps_per_epoch=micro_steps_per_epoch, datasets=(train_ds, val_ds), env=env)  # DDP: rank 0 writes
 
     torch.manual_seed(cfg.seed)  # right before building: the same --seed gives the same weights in every loop
-    raw_model = build_model(cfg.model, info, cfg.dropout).to(param_dtype(cfg.precision)).to(device)  # moved once
+    raw_model = build_model_from(cfg, info).to(param_dtype(cfg.precision)).to(device)  # moved once
     # >>> DDP: --sync-bn: BatchNorm statistics over the global batch, one extra all-reduce per BatchNorm layer in
     # every forward (CUDA only, refused on the CPU by DDPConfig.validate)
     if cfg.sync_bn:
