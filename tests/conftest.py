@@ -54,8 +54,8 @@ FP32_MODEL = "mlp"
 
 @contextmanager
 def initial_weights_nudged(loop_module, direction: float):
-    """While active, `loop_module.build_model` moves every initial weight by one ulp towards +-inf."""
-    real_build = loop_module.build_model
+    """While active, `loop_module.build_model_from` moves every initial weight by one ulp towards +-inf."""
+    real_build = loop_module.build_model_from
 
     def nudged(*args, **kwargs):
         model = real_build(*args, **kwargs)
@@ -64,17 +64,17 @@ def initial_weights_nudged(loop_module, direction: float):
                 p.copy_(torch.nextafter(p, torch.full_like(p, direction * math.inf)))
         return model
 
-    loop_module.build_model = nudged
+    loop_module.build_model_from = nudged
     try:
         yield
     finally:
-        loop_module.build_model = real_build
+        loop_module.build_model_from = real_build
 
 
 def fp32_noise_floor(train_fn, reference: dict) -> float:
     """The fp32 noise floor: max drift from `reference` (the baseline's final weights) of the same baseline
     run with its initial weights one ulp up and one ulp down. train_fn(name) runs it and returns final weights
-    (with manual_train.loops.single's build_model nudged)."""
+    (with manual_train.loops.single's build_model_from nudged)."""
     from manual_train.loops import single
 
     drifts = []

@@ -62,7 +62,7 @@ def test_o2_invariants_hold_at_every_step_of_the_loop(tmp_path, monkeypatch):
     the model equals the masters rounded, and the loss saw fp32 logits; the checkpoint holds the final masters."""
     built, logits_dtypes, checks, masters_after = [], [], [], []
     real_loss_fn = apex_o2.loss_fn
-    monkeypatch.setattr(apex_o2, "build_model", lambda name, info, dropout=0.0: built.append(ConvBN()) or built[-1])
+    monkeypatch.setattr(apex_o2, "build_model_from", lambda cfg, info: built.append(ConvBN()) or built[-1])
     monkeypatch.setattr(apex_o2, "loss_fn", lambda logits, y: logits_dtypes.append(logits.dtype)
                         or real_loss_fn(logits, y))
 

@@ -160,7 +160,7 @@ def test_every_loop_starts_with_set_deterministic_once(loop):
     source = (REPO / "manual_train" / "loops" / f"{loop}.py").read_text()
     calls = re.findall(r"^    set_deterministic\(cfg\.deterministic\)$", source, flags=re.M)
     assert len(calls) == 1 and source.count("set_deterministic(") == 1, loop
-    assert source.index("set_deterministic(cfg.deterministic)") < source.index("build_model(")
+    assert source.index("set_deterministic(cfg.deterministic)") < source.index("build_model_from(")
 
 
 # ---------------------------------------------------------------------- one GPU, named twice
