@@ -45,6 +45,17 @@ def arg(default, help: str, *, choices: Optional[Sequence] = None, min: Optional
 DATASETS = ("digits", "mnist", "fashion-mnist", "cifar10", "synthetic", "reverse")
 MODELS = ("mlp", "cnn", "resnet18", "seq2seq", "gpt")
 CHECKPOINTING = ("none", "full", "selective")  # --activation-checkpointing (manual_train/models.py, docs/levers.md)
+COMPILE = ("none", "model", "blocks")  # --compile (models.compile_model, docs/levers.md)
+# --compile where it is not built, by config class (checked along the MRO): compile_model runs before every wrapper,
+# which is the right order only where the wrapper leaves forward alone (single, DDP)
+NO_COMPILE = {
+    "DPConfig": "DataParallel copies the module into replicas every step; a compiled forward is not what runs there",
+    "MPConfig": "model parallelism replaces forward with its own split over devices; compiling it is not built",
+    "HybridConfig": "the hybrid's stages replace forward with their own split; not built for it",
+    "PipelineConfig": "pipeline stages run their own slices of the GPT; per-stage compile is not built",
+    "ZeroConfig": "FSDP2 must shard before compiling (per block, after fully_shard); not built for launch/zero.py",
+    "O2Config": "apex's amp.initialize patches forward after the model is built; not built for apex-o2",
+}
 PRECISIONS = ("32-true", "64-true", "16-mixed", "bf16-mixed")
 # apex's O2 is its own lesson: only launch/apex_o2.py takes these (manual_train.precision.O2Config, loops/apex_o2.py)
 O2_PRECISIONS = ("16-o2", "apex-o2")
@@ -78,6 +89,9 @@ class Config:
     activation_checkpointing: str = arg("none", "recompute activations in backward instead of keeping them, per "
                                                 "block (gpt, resnet18): full, or selective (matmul and attention "
                                                 "outputs kept); less memory for more time", choices=CHECKPOINTING)
+    compile: str = arg("none", "torch.compile the whole model's forward (model) or each block's (blocks: gpt, "
+                               "resnet18), before any wrapper; the first step compiles (tens of seconds)",
+                       choices=COMPILE)
     # schedule
     epochs: int = arg(10, "total epochs (a resumed run continues up to this number)", min=1)
     max_steps: Optional[int] = arg(None, "stop after this many optimizer steps (overrides --epochs)", min=1)
@@ -195,6 +209,7 @@ class Config:
         if self.activation_checkpointing != "none" and self.model not in ("gpt", "resnet18"):
             raise UsageError("--activation-checkpointing", f"--model {self.model} has no repeated blocks to "
                              "checkpoint", "none, or --model gpt or resnet18")
+        self.check_compile()
         if self.grad_clip and self.grad_clip_value:
             raise UsageError("--grad-clip-value", "clips by value; --grad-clip clips by norm: choose one")
         for name in ("limit_train_batches", "limit_val_batches"):
@@ -210,6 +225,20 @@ class Config:
             self.max_steps, self.limit_train_batches, self.limit_val_batches = 1, "1", "1"
             self.val_every_steps = self.checkpoint_every_steps = None
             self.profile = False
+
+    def check_compile(self) -> None:
+        """--compile where it applies: before the only wrappers that leave forward alone, on a plain forward."""
+        if self.compile == "none":
+            return
+        refused = next((NO_COMPILE[c.__name__] for c in type(self).__mro__ if c.__name__ in NO_COMPILE), None)
+        if refused:
+            raise UsageError("--compile", refused, "none, or launch/single.py or launch/ddp.py")
+        if self.activation_checkpointing != "none":  # checkpoint's recompute runs Python (BatchNorm's momentum swap)
+            raise UsageError("--compile", "with --activation-checkpointing is not built (its recompute is Python "
+                             "that dynamo would have to trace)", "none, or --activation-checkpointing none")
+        if self.compile == "blocks" and self.model not in ("gpt", "resnet18"):
+            raise UsageError("--compile", f"--model {self.model} has no repeated blocks to compile one by one",
+                             "none, model, or --model gpt or resnet18")
 
     def max_time_s(self) -> Optional[float]:
         return parse_duration(self.max_time, "--max-time")

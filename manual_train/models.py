@@ -276,20 +276,44 @@ def build_model(name: str, info: DataInfo, dropout: float = 0.0, activation_chec
     """The model called `name`, sized for the data in `info`; `dropout` (--dropout) for mlp, cnn and gpt;
     `activation_checkpointing` (--activation-checkpointing) for gpt and resnet18 (docs/levers.md)."""
     model = _build_model(name, info, dropout)
-    if name == "gpt":
-        checkpoint_blocks(model.blocks, activation_checkpointing)
-    elif name == "resnet18":
-        checkpoint_blocks([b for layer in (model.layer1, model.layer2, model.layer3, model.layer4) for b in layer],
-                          activation_checkpointing)
+    if name in CHECKPOINTED_MODELS:
+        checkpoint_blocks(blocks_of(name, model), activation_checkpointing)
     elif activation_checkpointing != "none":
         raise UsageError("--activation-checkpointing", f"--model {name} has no repeated blocks to checkpoint",
                          "none, or --model " + " or ".join(CHECKPOINTED_MODELS))
     return model
 
 
+def blocks_of(name: str, model: nn.Module) -> list:
+    """The repeated blocks of a CHECKPOINTED_MODELS model: the GPT's transformer blocks, resnet18's BasicBlocks."""
+    if name == "gpt":
+        return list(model.blocks)
+    return [b for layer in (model.layer1, model.layer2, model.layer3, model.layer4) for b in layer]
+
+
+COMPILE_MODES = ("none", "model", "blocks")
+
+
+def compile_model(name: str, model: nn.Module, mode: str) -> nn.Module:
+    """--compile (docs/levers.md): torch.compile the whole model's forward ("model") or each block's ("blocks").
+
+    In place (nn.Module.compile): the module and its parameter names stay the same, so state_dict, checkpoints,
+    CastInputs and DDP see the plain model. Called before any wrapper, which is the order that captures graphs:
+    torch.compile(DDP(model)) breaks the graph at DDP's forward. Nothing is compiled here; the first forward traces
+    and compiles (tens of seconds on a CPU), and a new input shape or eval mode compiles again.
+    """
+    if mode == "model":
+        model.compile()
+    for block in blocks_of(name, model) if mode == "blocks" else ():
+        block.compile()
+    return model
+
+
 def build_model_from(cfg, info: DataInfo) -> nn.Module:
-    """build_model with the run's model flags (--model, --dropout, --activation-checkpointing): the loops' call."""
-    return build_model(cfg.model, info, cfg.dropout, cfg.activation_checkpointing)
+    """build_model with the run's model flags (--model, --dropout, --activation-checkpointing, --compile): the
+    loops' call, before any wrapper."""
+    model = build_model(cfg.model, info, cfg.dropout, cfg.activation_checkpointing)
+    return compile_model(cfg.model, model, cfg.compile)
 
 
 def _build_model(name: str, info: DataInfo, dropout: float) -> nn.Module:

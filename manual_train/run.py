@@ -29,6 +29,7 @@ state_dict() is called on every rank (ZeRO gathers the shards with collectives),
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from pathlib import Path
 from typing import Optional
@@ -117,6 +118,7 @@ class Run:
         if self.cfg.profile:
             self.profiler = profiling.start(self.cfg.profile_window(), step, self.device, self.out_dir, env, self.log)
         self.t_start = self.t_log = time.perf_counter()
+        self.train_rows: list = []  # (seconds, samples, samples/s) of each train row: summary.json's compile_s
         self.max_time_s = self.cfg.max_time_s()
         return start_epoch, start_micro_step, step, samples_seen
 
@@ -166,8 +168,11 @@ class Run:
         if not math.isfinite(loss):
             raise TrainingDiverged.at(loss, step, log_steps, self.out_dir / "last.pt")
         now = time.perf_counter()
+        rate = (samples_seen - self.log_samples) / (now - self.t_log)
         self.log.row(step=step, epoch=epoch, split="train", loss=loss, acc=acc, lr=lr,
-                     samples_per_s=(samples_seen - self.log_samples) / (now - self.t_log), time_s=now - self.t_start)
+                     samples_per_s=rate, time_s=now - self.t_start)
+        # the first row's interval holds --compile's tracing and compiling; the later rows are the steady state
+        self.train_rows.append((now - self.t_log, samples_seen - self.log_samples, rate))
         self.progress.update(step - self.progress.n)
         self.progress.set_postfix(loss=f"{loss:.4f}", refresh=False)
         self.t_log, self.log_samples = now, samples_seen
@@ -261,6 +266,7 @@ class Run:
             profiling.stop(self.profiler)  # a run that ended inside the window still writes what it recorded
         if self.stop_reason:
             extra.setdefault("stop_reason", self.stop_reason)
+        extra = {**self._steady_state(), **extra}
         if restored:
             self.log.print(f"restored best weights (epoch {self.early.best_epoch + 1}): "
                            f"val_loss {val_loss:.4f} val_acc {val_acc:.4f}")
@@ -276,6 +282,17 @@ class Run:
                        f"{self.wall_s:.1f} s; " + (f"outputs in {self.out_dir}" if self.keep else "no outputs kept"))
         self.log.close()
         return summary
+
+    def _steady_state(self) -> dict:
+        """steady_samples_per_s: the median train row's rate after the first (a row that spans an evaluation is
+        slower; the median ignores it). compile_s: how much longer the first row took than the steady rate
+        explains: --compile's tracing and compiling of the training graph (eager: a few tenths of a second of
+        warm-up; the eval-mode graph compiles inside the first evaluation, not counted). None with < 2 rows."""
+        if len(self.train_rows) < 2:
+            return dict(steady_samples_per_s=None, compile_s=None)
+        steady = statistics.median(rate for _, _, rate in self.train_rows[1:])
+        first_s, first_samples, _ = self.train_rows[0]
+        return dict(steady_samples_per_s=steady, compile_s=max(0.0, first_s - first_samples / steady))
 
 
 def _module_of(model) -> torch.nn.Module:

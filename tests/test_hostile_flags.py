@@ -122,6 +122,8 @@ NUMBERS = [
      "--model cnn has no repeated blocks to checkpoint (allowed: none, or --model gpt or resnet18)"),
     (["--activation-checkpointing", "some"], "--activation-checkpointing", "invalid choice: 'some'"),
     (["--optimizer-impl", "apex"], "--optimizer-impl", "invalid choice: 'apex'"),
+    (["--compile", "blocks"], "--compile", "--model cnn has no repeated blocks to compile one by one"),
+    (["--compile", "all"], "--compile", "invalid choice: 'all'"),
 ]
 
 
@@ -323,8 +325,9 @@ def test_find_batch_size_help_lists_only_the_flags_it_uses(capsys):
     options = text.split("options:", 1)[1]
     flags = set(re.findall(r"^\s+(--[a-z-]+)", options, re.M))
     assert flags == {"--dataset", "--data-root", "--download", "--synthetic-size", "--synthetic-shape",
-                     "--synthetic-classes", "--model", "--optimizer", "--precision", "--device", "--seed",
-                     "--memory-budget-bytes", "--start", "--max-batch-size", "--trial"}
+                     "--synthetic-classes", "--model", "--optimizer", "--optimizer-impl", "--precision",
+                     "--activation-checkpointing", "--device", "--seed", "--memory-budget-bytes", "--start",
+                     "--max-batch-size", "--trial"}
     assert "(default: the training set size)" in " ".join(text.split())
     assert "(default: None)" not in text
 
