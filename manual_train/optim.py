@@ -77,6 +77,19 @@ def dtensor_kwargs(optimizer_class, kwargs: dict, impl: Optional[str]) -> dict:
     return {**kwargs, "fused": None, "foreach": True}
 
 
+def sharded_scaler_kwargs(kwargs: dict, precision: str, impl: Optional[str]) -> dict:
+    """kwargs for an optimizer stepped by a ZeRO loss scaler under 16-mixed. GradScaler hands a fused optimizer its
+    scale and found_inf to skip inside the kernel; the sharded scalers (FSDP2's ShardedGradScaler, fairscale's)
+    keep found_inf as a 1-element tensor, which the fused kernels refuse (torch 2.14: "output with shape [] doesn't
+    match the broadcast shape [1]"). So foreach there, and an explicit --optimizer-impl fused is refused."""
+    if precision != "16-mixed" or not kwargs.get("fused"):
+        return kwargs
+    if impl == "fused":
+        raise UsageError("--optimizer-impl", "fused optimizers do not take ZeRO's sharded loss scaler's found_inf "
+                         "under 16-mixed (torch 2.14)", "foreach, for-loop, or --precision bf16-mixed")
+    return {**kwargs, "fused": None, "foreach": True}
+
+
 def build_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, total_steps: int):
     """LambdaLR over optimizer steps: linear warm-up, then cosine decay to zero (or constant)."""
     warmup = cfg.warmup_steps

@@ -43,7 +43,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from manual_train.config import UsageError, arg
 from manual_train.distributed import DDPConfig
-from manual_train.optim import dtensor_kwargs, keep_impl
+from manual_train.optim import dtensor_kwargs, keep_impl, sharded_scaler_kwargs
 from manual_train.precision import CastInputs
 
 IMPLS = ("torch", "fairscale")
@@ -306,7 +306,7 @@ def shard(model: nn.Module, optimizer: torch.optim.Optimizer, cfg: ZeroConfig, d
     spec = dict(raw_model=raw_model, cfg=cfg, device=device, psi=sum(p.numel() for p in raw_model.parameters()),
                 cast=(lambda m: CastInputs(m, model.dtype)) if casts else (lambda m: m))  # psi: before sharding
     params, optimizer_class = list(optimizer.param_groups[0]["params"]), type(optimizer)
-    kwargs = _constructor_kwargs(optimizer)
+    kwargs = sharded_scaler_kwargs(_constructor_kwargs(optimizer), cfg.precision, cfg.optimizer_impl)
     if cfg.impl == "fairscale":
         from manual_train import zero_fairscale
 

@@ -101,6 +101,9 @@ BAD_INPUT = [
      "error: --precision: apex-o2 is apex's O2, its own lesson: run launch/apex_o2.py"),
     (["--impl", "fairscale", "--stage", "2", "--precision", "16-mixed"],
      "error: --precision: 16-mixed with fairscale stage 2 needs fairscale's ShardedGradScaler"),
+    # a fused kernel refuses the sharded scalers' 1-element found_inf (the default falls back to foreach there)
+    (["--stage", "3", "--precision", "16-mixed", "--optimizer", "adamw", "--optimizer-impl", "fused"],
+     "error: --optimizer-impl: fused optimizers do not take ZeRO's sharded loss scaler's found_inf under 16-mixed"),
     (["--reduce-buffer-size", "0"], "error: --reduce-buffer-size: is ShardedDataParallel's, used by --impl "
                                     "fairscale --stage 2 only"),
     (["--impl", "fairscale", "--stage", "2", "--reduce-buffer-size", "-1"],
