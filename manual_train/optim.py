@@ -69,12 +69,9 @@ def keep_impl(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
 def dtensor_kwargs(optimizer_class, kwargs: dict, impl: Optional[str]) -> dict:
     """kwargs for optimizer_class over DTensor parameters (FSDP2): DTensor has no sharding rule for fused SGD's
     kernel (torch 2.14), so the fastest that applies is foreach; an explicit --optimizer-impl fused is refused."""
-    if not (kwargs.get("fused") and optimizer_class is torch.optim.SGD):
-        return kwargs
-    if impl == "fused":
-        raise UsageError("--optimizer-impl", "fused SGD does not run on FSDP2's DTensor parameters (torch has no "
-                         "sharding rule for it)", "foreach, for-loop, or --optimizer adamw")
-    return {**kwargs, "fused": None, "foreach": True}
+    return foreach_instead_of_fused(kwargs, impl, optimizer_class is torch.optim.SGD,
+                                    "fused SGD does not run on FSDP2's DTensor parameters (torch has no sharding "
+                                    "rule for it)", "foreach, for-loop, or --optimizer adamw")
 
 
 def sharded_scaler_kwargs(kwargs: dict, precision: str, impl: Optional[str]) -> dict:
@@ -82,11 +79,18 @@ def sharded_scaler_kwargs(kwargs: dict, precision: str, impl: Optional[str]) -> 
     scale and found_inf to skip inside the kernel; the sharded scalers (FSDP2's ShardedGradScaler, fairscale's)
     keep found_inf as a 1-element tensor, which the fused kernels refuse (torch 2.14: "output with shape [] doesn't
     match the broadcast shape [1]"). So foreach there, and an explicit --optimizer-impl fused is refused."""
-    if precision != "16-mixed" or not kwargs.get("fused"):
+    return foreach_instead_of_fused(kwargs, impl, precision == "16-mixed",
+                                    "fused optimizers do not take ZeRO's sharded loss scaler's found_inf under "
+                                    "16-mixed (torch 2.14)", "foreach, for-loop, or --precision bf16-mixed")
+
+
+def foreach_instead_of_fused(kwargs: dict, impl: Optional[str], fused_fails: bool, why: str, allowed: str) -> dict:
+    """Where a fused kernel cannot run (`fused_fails`): the default falls back to foreach, an explicit
+    --optimizer-impl fused is a one-line refusal saying `why`."""
+    if not (fused_fails and kwargs.get("fused")):
         return kwargs
     if impl == "fused":
-        raise UsageError("--optimizer-impl", "fused optimizers do not take ZeRO's sharded loss scaler's found_inf "
-                         "under 16-mixed (torch 2.14)", "foreach, for-loop, or --precision bf16-mixed")
+        raise UsageError("--optimizer-impl", why, allowed)
     return {**kwargs, "fused": None, "foreach": True}
 
 
