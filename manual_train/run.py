@@ -259,9 +259,7 @@ class Run:
 
     def finish(self, epoch: int, step: int, samples_seen: int, val_loss: float, val_acc: float, *,
                restored: bool = False, **extra) -> dict:
-        """summary.json and the closing line; returns the summary."""
-        if not hasattr(self, "wall_s"):
-            self.restore_best()  # (not called by the loop: only closes the bar and stops the clock)
+        """summary.json and the closing line; returns the summary. After restore_best(), which stops the clock."""
         if self.profiler is not None:
             profiling.stop(self.profiler)  # a run that ended inside the window still writes what it recorded
         if self.stop_reason:
