@@ -26,10 +26,10 @@ import torch
 from manual_train.batch_size import cuda_step_fits, find_max_batch_size
 from manual_train.config import Config, UsageError, arg, parse_config
 
-# The Config fields one trial step reads that can change its memory (the rest keep their defaults): the data
-# (its shape, and the training-set size, the default --max-batch-size), the model, the precision, the
-# optimizer (its state and kernel), activation checkpointing, the device, and the seed of the weights. --lr, --weight-decay and the loss-scale flags
-# are read too but change no byte, so they are not offered.
+# The Config fields one trial step reads that can change its memory (the rest keep their defaults): the data (its
+# shape, and the training-set size, the default --max-batch-size), the model, the precision, the optimizer (its state
+# and kernel), activation checkpointing, the device, and the seed of the weights. --lr, --weight-decay and the loss-
+# scale flags are read too but change no byte, so they are not offered.
 STEP_FLAGS = ("dataset", "data_root", "download", "synthetic_size", "synthetic_shape", "synthetic_classes", "model",
               "optimizer", "optimizer_impl", "precision", "activation_checkpointing", "device", "seed")
 

@@ -31,9 +31,9 @@ def resolve_impl(impl: Optional[str], params: list) -> str:
 
     fused: one kernel per (device, dtype) group that reads each parameter, gradient and state once (torch's CPU
     kernels since 2.4, CUDA, MPS, XPU): 4.2x (SGD) and 5.3x (AdamW) as fast as for-loop on a 2-core CPU
-    (docs/levers.md); floating parameters only. foreach: one multi-tensor op per math step (few CUDA launches; on the CPU a loop in C++, no
-    faster than for-loop here). for-loop: one Python-driven op per parameter per math step, what torch.optim
-    runs on the CPU when neither is asked for, and the one every kernel is checked against.
+    (docs/levers.md); floating parameters only. foreach: one multi-tensor op per math step (few CUDA launches; on
+    the CPU a loop in C++, no faster than for-loop here). for-loop: one Python-driven op per parameter per math
+    step, what torch.optim runs on the CPU when neither is asked for, and the one every kernel is checked against.
     """
     if impl is not None:
         return impl

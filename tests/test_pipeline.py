@@ -9,7 +9,8 @@ per rank, the batch padded to equal micro-batches whose padded rows' targets are
 each micro-batch's mean loss weighted 1/m instead of by its share of the batch, fails the same check.
 Measured 2026-12-01 (2-core AVX-512 Xeon, torch 2.14.1, other jobs running): explicit 4.7e-14, torch gpipe and
 1f1b 5.9e-14, interleaved-1f1b 6.7e-14, the wrong weighting 1.3e-2; the file takes about a minute here. A resume
-at one stage and at two stages is exact (Run(..., replicas=1): the stages share every batch). No fp32 check against a noise floor yet.
+at one stage and at two stages is exact (Run(..., replicas=1): the stages share every batch). No fp32 check
+against a noise floor yet.
 """
 from __future__ import annotations
 

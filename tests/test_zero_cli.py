@@ -56,7 +56,7 @@ def test_fsdp_units_are_the_blocks_of_each_model():
         return [name for _, name in blocks(model)]
 
     assert names(build_model("cnn", digits)) == ["features", "head"]
-    assert names(build_model("mlp", digits)) == ["2", "5", "8"]  # the Linear layers inside mlp.net (Dropout layers between)
+    assert names(build_model("mlp", digits)) == ["2", "5", "8"]  # mlp.net's Linear layers (Dropouts between)
     assert names(build_model("seq2seq", reverse)) == ["encoder", "decoder"]
     from manual_train.models import GPT
 

@@ -605,8 +605,9 @@ def zero_memory(bench: Bench) -> Outcome:
                                   [x["total"] for x in r["per_rank"]], claim=f"ZeRO paper's formula: {predicted:.3f}"))
     notes.append("Storage held between steps, one value per rank, counted by "
                  "manual_train.bench.zero_memory.per_rank_bytes (communication buckets and activations are not in "
-                 "it). fairscale's OSS shards whole tensors, so its ranks differ; torch's stage 2 (FSDP2, reshard_after_forward=False) reshards after backward, so "
-                 "between steps it holds what stage 3 holds and differs only between forward and backward.")
+                 "it). fairscale's OSS shards whole tensors, so its ranks differ; torch's stage 2 (FSDP2, "
+                 "reshard_after_forward=False) reshards after backward, so between steps it holds what stage 3 "
+                 "holds and differs only between forward and backward.")
     return Outcome(rows, raw, notes)
 
 

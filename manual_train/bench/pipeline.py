@@ -3,9 +3,10 @@
 bubble_rows() starts one process per stage (gloo, this machine), runs the explicit GPipe schedule of
 manual_train/pipelining.py on the reverse task's GPT for each micro-batch count m, and times what each stage spends
 waiting in recv (for the previous stage's activations in the fill, the next stage's gradients in the drain) and at
-the barrier that ends each step (a later stage's drain ends before stage 0's): that is its idle time. The formula assumes every stage takes the same time per
-micro-batch and communication is free; on a loaded 2-core machine the measured fractions scatter around it.
-Registration for the CPU suite (manual_train/bench/cpu.py's ENTRIES, an entry that calls bubble_rows) is the lead's.
+the barrier that ends each step (a later stage's drain ends before stage 0's): that is its idle time. The formula
+assumes every stage takes the same time per micro-batch and communication is free; on a loaded 2-core machine the
+measured fractions scatter around it.
+In the CPU suite: manual_train/bench/cpu.py's entry pipeline_bubble calls bubble_rows.
 """
 from __future__ import annotations
 
