@@ -11,6 +11,13 @@ DistributedSampler(seed) at `epoch`, recomputed from the two numbers.
 
 Writes are atomic: the bytes go to a temporary file in the same directory, are fsync'ed, and
 os.replace() swaps it in, so a crash mid-write leaves the previous last.pt whole.
+
+The position in a partial epoch is kept in samples of the epoch's order (`epoch_samples_done`), so a resume
+with another split of the same global batch, or another world size, continues the data order exactly
+(check_world_size_change says when per-rank random streams make that impossible). --checkpoint-format dcp
+writes a folder instead: every rank's shards (torch.distributed.checkpoint) and a meta.pt with the rest; a
+symlink swapped atomically names the complete one (load_dcp, link_atomically; `python -m manual_train.checkpoint
+--to-pt` converts one to a .pt).
 """
 from __future__ import annotations
 
@@ -31,6 +38,7 @@ REQUIRED_KEYS = ("model", "optimizer", "scheduler", "scaler", "epoch", "step", "
 # (--batch-size, --accumulate and the world size may change as long as the global batch does not; --epochs and
 # --max-steps may grow when the LR schedule does not depend on the run's length; the rest, e.g. workers,
 # logging, evaluation and --precision, may change freely.)
+AUGMENTED = ("cifar10",)  # datasets whose training transforms draw random numbers (data.build_datasets)
 MUST_MATCH = ("model", "dataset", "synthetic_size", "synthetic_shape", "synthetic_classes", "optimizer", "lr",
               "lr_scaling", "base_batch_size", "weight_decay", "grad_clip", "grad_clip_value", "schedule",
               "warmup_steps", "seed", "dropout", "limit_train_batches")
@@ -103,23 +111,153 @@ def _process_exists(pid: int) -> bool:
     return True
 
 
-def load_checkpoint(path: Path, flag: str = "--resume") -> dict:
-    """Load with weights_only=True onto the CPU; a corrupt or foreign file is a one-line UsageError."""
+def load_checkpoint(path: Path, flag: str = "--resume", full: bool = True) -> dict:
+    """Load with weights_only=True onto the CPU; a corrupt or foreign file is a one-line UsageError. A folder is a
+    --checkpoint-format dcp checkpoint (load_dcp): with full=False only its metadata, the shards stay on disk."""
+    if Path(path).is_dir():
+        return load_dcp(Path(path), flag, full)
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise UsageError(flag, f"no checkpoint file at {path}") from None
     except Exception as e:  # truncated zip, random bytes, pickled code that weights_only refuses, ...
-        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UsageError(flag, f"{path} is not a readable checkpoint ({first_line[:160]})") from None
+        raise UsageError(flag, f"{path} is not a readable checkpoint ({first_line(e)})") from None
     if not isinstance(state, dict) or any(k not in state for k in REQUIRED_KEYS):
         missing = [k for k in REQUIRED_KEYS if not isinstance(state, dict) or k not in state]
         raise UsageError(flag, f"{path} is not a manual_train checkpoint (missing: {', '.join(missing)})")
     return state
 
 
+# ---------------------------------------------------------------------- --checkpoint-format dcp: a folder of shards
+DCP_META = "meta.pt"  # beside DCP's .metadata and __<rank>_0.distcp files: everything but the tensors
+CHECKPOINT_FORMATS = ("pt", "dcp")
+
+
+def check_checkpoint_format(checkpoint_format: str, async_checkpoint: bool, *, sharded: bool, allowed: str) -> None:
+    """--checkpoint-format dcp saves DTensor shards: only where the parameters are sharded (`sharded`, which runs
+    are: `allowed`); --async-checkpoint is dcp's async_save. Refused in one line otherwise."""
+    if checkpoint_format == "dcp" and not sharded:
+        raise UsageError("--checkpoint-format", f"dcp writes each rank's shards of sharded (DTensor) parameters: "
+                                                f"{allowed} only", f"pt, or dcp with {allowed}")
+    if async_checkpoint and checkpoint_format != "dcp":
+        raise UsageError("--async-checkpoint", "writes dcp checkpoints in the background", "--checkpoint-format dcp")
+
+
+def split_tensors(tree: dict) -> tuple[dict, dict]:
+    """(the tensors, the rest) of a nested dict, each in the same nesting: DCP stores the tensors (sharded, read back
+    resharded), meta.pt the rest (param_groups, ...), loaded with weights_only. DCP would store the rest pickled,
+    and it unpickles with weights_only=False: a folder that holds any is refused (load_dcp)."""
+    tensors, rest = {}, {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            t, r = split_tensors(value)
+            if t:
+                tensors[key] = t
+            if r or not t:
+                rest[key] = r  # an empty dict (a parameter's optimizer state before its first step) stays too
+        elif isinstance(value, torch.Tensor):
+            tensors[key] = value
+        else:
+            rest[key] = value
+    return tensors, rest
+
+
+def merge(a: dict, b: dict) -> dict:
+    """The nested dict that holds both (split_tensors undone)."""
+    out = dict(a)
+    for key, value in b.items():
+        out[key] = merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def load_dcp(folder: Path, flag: str = "--resume", full: bool = True) -> dict:
+    """A dcp checkpoint's meta.pt (every key of a .pt checkpoint but model and optimizer, plus `rest`), checked: DCP's
+    .metadata readable and listing tensors only. full: also the model and optimizer, whole (read_dcp_full)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    try:
+        metadata = FileSystemReader(str(folder)).read_metadata()
+    except Exception as e:
+        raise UsageError(flag, f"{folder} is not a readable DCP checkpoint ({first_line(e)})") from None
+    if any(isinstance(m, BytesStorageMetadata) for m in metadata.state_dict_metadata.values()):
+        raise UsageError(flag, f"{folder} holds pickled objects, which DCP would load with weights_only=False "
+                               "(manual_train's dcp checkpoints hold tensors only)")
+    for info in (metadata.storage_data or {}).values():  # every shard file there, none cut short: checked now,
+        shard = folder / info.relative_path               # before anything is written, not mid-load
+        if not shard.is_file() or shard.stat().st_size < info.offset + info.length:
+            raise UsageError(flag, f"{folder} is missing or has a truncated shard file ({info.relative_path})")
+    meta = load_checkpoint(folder / DCP_META, flag) if (folder / DCP_META).is_file() else None
+    if meta is None or meta.get("format") != "dcp":
+        raise UsageError(flag, f"{folder} is not a manual_train dcp checkpoint (no {DCP_META} of one)")
+    meta["dcp"] = str(folder.resolve())  # a link (last.dcp) names the folder its target was at load time
+    if full:
+        meta.update(read_dcp_full(folder, meta, flag))
+    return meta
+
+
+def read_dcp_full(folder: Path, meta: dict, flag: str = "--resume") -> dict:
+    """{"model", "optimizer"} of a dcp checkpoint as whole tensors in torch.optim's layout (what a .pt holds), read
+    in this process alone (no process group): how a loop without sharded parameters resumes one, and --to-pt."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    state: dict = {}  # filled from the folder's own metadata: what format_utils.dcp_to_torch_save does, in memory
+    try:
+        _load_state_dict(state, storage_reader=FileSystemReader(str(folder)), planner=_EmptyStateDictLoadPlanner(),
+                         no_dist=True)
+    except (Exception, CheckpointException) as e:  # (DCP's is a BaseException)
+        raise UsageError(flag, f"{folder}: its shards cannot be read ({first_line(e)})") from None
+    state = merge(state, meta["rest"])
+    return {"model": state["model"], "optimizer": by_position(state["optimizer"])}
+
+
+def by_position(optimizer_state: dict) -> dict:
+    """get_state_dict's optimizer state (keyed by parameter name) in torch.optim's own layout (by position)."""
+    names = [name for group in optimizer_state["param_groups"] for name in group["params"]]
+    index = {name: i for i, name in enumerate(names)}
+    return {"state": {index[name]: s for name, s in optimizer_state.get("state", {}).items()},
+            "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in optimizer_state["param_groups"]]}
+
+
+def link_atomically(link: Path, target: str) -> None:
+    """Point the symlink `link` (last.dcp) at the folder `target` (a name beside it): a new link under a temporary
+    name, then os.replace. A folder cannot replace a non-empty folder atomically; a link can, so a reader sees the
+    previous complete checkpoint or the new one, never a half-written folder."""
+    tmp = link.with_name(f".{link.name}.tmp-{os.getpid()}")
+    tmp.unlink(missing_ok=True)
+    os.symlink(target, tmp)
+    os.replace(tmp, link)
+    _fsync_dir(link.parent)
+
+
+def remove_unlinked_dcp(out_dir: Path) -> None:
+    """Remove the .dcp-* folders no link points at: the previous checkpoints, and a killed run's half-written one."""
+    import shutil
+
+    kept = {os.readlink(out_dir / name) for name in ("last.dcp", "best.dcp") if (out_dir / name).is_symlink()}
+    for folder in Path(out_dir).glob(".dcp-*"):
+        if folder.name not in kept and folder.is_dir():
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _fsync_dir(folder: Path) -> None:
+    dir_fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def first_line(e: Exception) -> str:
+    text = str(e).strip()
+    return (text.splitlines()[0] if text else type(e).__name__)[:160]
+
+
 def check_compatible(ckpt: dict, cfg: Config, global_batch_size: int, total_steps: int,
-                     flag: str = "--resume") -> None:
+                     flag: str = "--resume", script: str = "") -> None:
     """Refuse, in one line naming the flag, a resume that would not continue the checkpoint's training; raise
     RunFinished when there is nothing left to train. Called before anything is written."""
     saved = ckpt["config"]
@@ -133,15 +271,19 @@ def check_compatible(ckpt: dict, cfg: Config, global_batch_size: int, total_step
         raise UsageError("--batch-size", f"global batch {global_batch_size} differs from the checkpoint's "
                                          f"{saved_global} (batch x accumulate x world size): the steps after the "
                                          "resume would average other samples", f"a global batch of {saved_global}")
-    micro_steps_done = ckpt.get("progress", {}).get("micro_steps_done", 0)
-    world_size = global_batch_size // (cfg.batch_size * cfg.accumulate)
-    if micro_steps_done and (cfg.batch_size * world_size, cfg.accumulate) != (
-            saved["batch_size"] * ckpt["world_size"], saved["accumulate"]):
-        raise UsageError("--batch-size", f"the checkpoint stopped mid-epoch after {micro_steps_done} micro-batches "
-                                         f"of {saved['batch_size']} x {ckpt['world_size']} ranks, accumulate "
-                                         f"{saved['accumulate']}; its place in the epoch is counted in those",
-                         f"--batch-size {saved['batch_size']} --accumulate {saved['accumulate']} at world size "
-                         f"{ckpt['world_size']}, or resume from an epoch's end")
+    world_size = global_batch_size // (cfg.batch_size * cfg.accumulate)  # this run's replicas
+    if world_size != ckpt["world_size"]:
+        check_world_size_change(ckpt, cfg, world_size, flag, script)
+    if cfg.limit_train_batches and cfg.batch_size * world_size != saved["batch_size"] * ckpt["world_size"]:
+        raise UsageError("--limit-train-batches", f"counts micro-batches, of {saved['batch_size'] * ckpt['world_size']}"
+                         f" samples (all ranks) in the checkpoint's run and of {cfg.batch_size * world_size} in this "
+                         "one: the epoch would hold other samples", "the checkpoint's --batch-size x world size")
+    # Mid-epoch: the position is kept in samples of the epoch's order (all ranks'), so any split of the same global
+    # batch starts where the checkpoint stopped; a position inside one of this run's windows cannot be continued.
+    position = epoch_samples_done(ckpt)
+    if position % global_batch_size:
+        raise UsageError(flag, f"the checkpoint stopped {position} samples into its epoch, not at the end of a "
+                               f"window of {global_batch_size}", "an epoch-end checkpoint")
     for name in ("epochs", "max_steps"):
         if cfg.schedule != "constant" and saved.get(name) != getattr(cfg, name):
             raise UsageError(f"--{name.replace('_', '-')}", f"{getattr(cfg, name)} changes the length of the "
@@ -156,6 +298,34 @@ def check_compatible(ckpt: dict, cfg: Config, global_batch_size: int, total_step
         how = "stopped early" if ckpt["early_stopping"].get("should_stop") else f"all {total_steps} steps done"
         raise RunFinished(f"nothing to do: the checkpoint's run is finished ({how}); its outputs are left as they "
                           "are (raise --epochs or --max-steps to train on, with --schedule constant)")
+
+
+def check_world_size_change(ckpt: dict, cfg: Config, world_size: int, flag: str = "--resume",
+                            script: str = "") -> None:
+    """A resume at another world size (data-parallel ranks) with the same global batch continues the training exactly
+    when nothing draws random numbers per rank: rank r's shard is perm[r::N], so step i averages perm[i*G:(i+1)*G]
+    at any N (G the global batch; only the order of the sum changes). Per-rank RNG streams cannot be redistributed:
+    N ranks draw N streams of dropout masks or augmentations that M ranks cannot repeat. Refused in one line."""
+    saved_size = ckpt["world_size"]
+    why = None
+    if cfg.dropout:
+        why = f"with --dropout {cfg.dropout} every rank draws its own masks from its own RNG stream"
+    elif cfg.dataset in AUGMENTED:
+        why = f"--dataset {cfg.dataset} augments at random, every rank from its own RNG stream"
+    elif "hybrid" in (ckpt.get("script"), script):
+        why = "the hybrid loop pads its shards with repeats (DistributedSampler), which depend on the world size"
+    if why:
+        raise UsageError(flag, f"the checkpoint was written at world size {saved_size}, this run has {world_size}: "
+                               f"{why}, which {world_size} ranks cannot repeat", f"world size {saved_size}")
+
+
+def epoch_samples_done(ckpt: dict) -> int:
+    """How far into its epoch the checkpoint stopped, in samples of the epoch's order (every rank's). Checkpoints
+    written before `epoch_samples_done` was kept count micro-batches of batch x world size."""
+    progress = ckpt.get("progress", {})
+    if "epoch_samples_done" in progress:
+        return int(progress["epoch_samples_done"])
+    return int(progress.get("micro_steps_done", 0)) * ckpt["config"]["batch_size"] * ckpt["world_size"]
 
 
 def build_checkpoint(*, model_state: dict, optimizer_state: dict, scheduler, scaler_state: dict, early_stopping,
@@ -174,15 +344,46 @@ def build_checkpoint(*, model_state: dict, optimizer_state: dict, scheduler, sca
         "early_stopping": early_stopping.state_dict(),
         "config": dataclasses.asdict(cfg),
         "world_size": world_size,
-        "progress": {"micro_steps_done": micro_steps_done, "samples_seen": samples_seen, "best": best},
+        "progress": {"micro_steps_done": micro_steps_done, "samples_seen": samples_seen, "best": best,
+                     "epoch_samples_done": micro_steps_done * cfg.batch_size * world_size},  # all ranks' samples
         **extra,
     }
 
 
-def resume_point(ckpt: Optional[dict]) -> tuple[int, int, int, int, dict]:
-    """(epoch, micro_steps_done, step, samples_seen, best) to continue from; zeros for a fresh run."""
+def resume_point(ckpt: Optional[dict], micro_batch: int) -> tuple[int, int, int, int, dict]:
+    """(epoch, micro-step to start at, step, samples_seen, best) to continue from; zeros for a fresh run.
+    micro_batch: this run's micro-batch, all ranks' (batch x data-parallel world size): the checkpoint's position
+    in samples becomes a number of this run's micro-steps, whatever split the checkpoint's run had."""
     if ckpt is None:
         return 0, 0, 0, 0, {}
     progress = ckpt.get("progress", {})
-    return (int(ckpt["epoch"]), int(progress.get("micro_steps_done", 0)), int(ckpt["step"]),
+    return (int(ckpt["epoch"]), epoch_samples_done(ckpt) // micro_batch, int(ckpt["step"]),
             int(progress.get("samples_seen", 0)), dict(progress.get("best", {})))
+
+
+def main(argv=None) -> int:
+    """python -m manual_train.checkpoint --to-pt RUN/last.dcp OUT.pt: a dcp checkpoint as the plain .pt checkpoint
+    that every loop resumes (launch/single.py --resume OUT.pt); whole tensors, torch.optim's layout."""
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(prog="python -m manual_train.checkpoint", description=main.__doc__)
+    parser.add_argument("--to-pt", nargs=2, metavar=("DCP_FOLDER", "OUT_PT"), required=True)
+    args = parser.parse_args(argv)
+    folder, out = Path(args.to_pt[0]), Path(args.to_pt[1])
+    try:
+        if out.exists():
+            raise UsageError("--to-pt", f"{out} exists; it is left as it is", "a new file name")
+        state = load_checkpoint(folder, "--to-pt")
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for key in ("dcp", "rest", "format"):
+        state.pop(key, None)
+    save_checkpoint(state, out)
+    print(f"{folder} -> {out} (step {state['step']}, world size {state['world_size']})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

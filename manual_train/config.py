@@ -47,13 +47,12 @@ MODELS = ("mlp", "cnn", "resnet18", "seq2seq", "gpt")
 CHECKPOINTING = ("none", "full", "selective")  # --activation-checkpointing (manual_train/models.py, docs/levers.md)
 COMPILE = ("none", "model", "blocks")  # --compile (models.compile_model, docs/levers.md)
 # --compile where it is not built, by config class (checked along the MRO): compile_model runs before every wrapper,
-# which is the right order only where the wrapper leaves forward alone (single, DDP)
+# which is the right order only where the wrapper leaves forward alone (single, DDP); FSDP2 and the pipeline
+# compile after wrapping instead (cfg.compile_after_wrapping)
 NO_COMPILE = {
     "DPConfig": "DataParallel copies the module into replicas every step; a compiled forward is not what runs there",
     "MPConfig": "model parallelism replaces forward with its own split over devices; compiling it is not built",
     "HybridConfig": "the hybrid's stages replace forward with their own split; not built for it",
-    "PipelineConfig": "pipeline stages run their own slices of the GPT; per-stage compile is not built",
-    "ZeroConfig": "FSDP2 must shard before compiling (per block, after fully_shard); not built for launch/zero.py",
     "O2Config": "apex's amp.initialize patches forward after the model is built; not built for apex-o2",
 }
 PRECISIONS = ("32-true", "64-true", "16-mixed", "bf16-mixed")
@@ -192,8 +191,9 @@ class Config:
                                  "(pip install -e '.[tensorboard]')") from None
         if self.resume not in (None, "auto"):
             check_path(self.resume, "--resume")
-            if not Path(self.resume).is_file():
-                raise UsageError("--resume", f"no checkpoint file at {self.resume}", "a last.pt/best.pt path or auto")
+            if not (Path(self.resume).is_file() or Path(self.resume).is_dir()):  # a dir: --checkpoint-format dcp's
+                raise UsageError("--resume", f"no checkpoint file at {self.resume}",
+                                 "a last.pt/best.pt path, a last.dcp/best.dcp folder, or auto")
         if self.resume == "auto" and self.out_dir is None:
             raise UsageError("--resume", "auto needs an explicit --out-dir to look for last.pt in")
         check_writable_dir(self.out_dir, "--out-dir", room=OUT_DIR_ROOM)
@@ -232,7 +232,7 @@ class Config:
             return
         refused = next((NO_COMPILE[c.__name__] for c in type(self).__mro__ if c.__name__ in NO_COMPILE), None)
         if refused:
-            raise UsageError("--compile", refused, "none, or launch/single.py or launch/ddp.py")
+            raise UsageError("--compile", refused, "none, or launch/single.py, ddp.py, zero.py or pipeline.py")
         if self.activation_checkpointing != "none":  # checkpoint's recompute runs Python (BatchNorm's momentum swap)
             raise UsageError("--compile", "with --activation-checkpointing is not built (its recompute is Python "
                              "that dynamo would have to trace)", "none, or --activation-checkpointing none")
@@ -294,9 +294,9 @@ class Config:
         return Path(self.out_dir)
 
     def resume_path(self) -> Optional[Path]:
-        if self.resume == "auto":
-            path = Path(self.out_dir) / "last.pt"
-            return path if path.is_file() else None
+        if self.resume == "auto":  # last.pt, or a --checkpoint-format dcp run's last.dcp (a link to its folder)
+            path, folder = Path(self.out_dir) / "last.pt", Path(self.out_dir) / "last.dcp"
+            return path if path.is_file() else folder if folder.is_dir() else None
         return Path(self.resume) if self.resume else None
 
 

@@ -25,10 +25,14 @@ after saving) are made here on every rank alike. A lone process is a group of on
 The checkpointed objects only need state_dict() and load_state_dict(): the loops pass their unwrapped model
 (`raw_model`), or for ZeRO and O2 an object whose state_dict() is the full fp32 state (zero.FullState, O2's masters).
 state_dict() is called on every rank (ZeRO gathers the shards with collectives), the file written by rank 0.
+With --checkpoint-format dcp (configs that have it; the model object's `sharded` holds the DTensor module and
+optimizer, zero.FullState) nothing is gathered: every rank writes its shards into a folder that the link last.dcp
+names once it is complete (_save_dcp, _commit_dcp; docs/checkpointing.md).
 """
 from __future__ import annotations
 
 import math
+import os
 import statistics
 import time
 from pathlib import Path
@@ -38,8 +42,10 @@ import torch
 import torch.distributed as dist
 
 from manual_train import profiling
-from manual_train.checkpoint import (build_checkpoint, capture_rng, check_compatible, load_checkpoint, restore_rng,
+from manual_train.checkpoint import (DCP_META, build_checkpoint, capture_rng, check_compatible, first_line,
+                                     link_atomically, load_checkpoint, read_dcp_full, remove_unlinked_dcp, restore_rng,
                                      resume_point, save_checkpoint)
+from manual_train.config import UsageError
 from manual_train.distributed import DistEnv
 from manual_train.early_stopping import EarlyStopping
 from manual_train.metrics import RunLog, banner, progress_bar, run_summary
@@ -62,9 +68,14 @@ class Run:
         self.global_batch_size, self.total_steps = global_batch_size, total_steps
         self.micro_steps_per_epoch, self.datasets = micro_steps_per_epoch, datasets
         self.resumed_from = cfg.resume_path()
-        self.ckpt = load_checkpoint(self.resumed_from) if self.resumed_from else None
-        if self.ckpt:
-            check_compatible(self.ckpt, cfg, global_batch_size, total_steps)  # or exit: one line, nothing written
+        # (a dcp folder: its metadata now, checked; the shards in start(), resharded into this run's)
+        self.ckpt = load_checkpoint(self.resumed_from, full=False) if self.resumed_from else None
+        if self.ckpt:  # or exit: one line, nothing written
+            check_compatible(self.ckpt, cfg, global_batch_size, total_steps, script=script)
+        # --checkpoint-format dcp (configs that have it): last.dcp/ of every rank's shards (_save_dcp)
+        self.dcp = getattr(cfg, "checkpoint_format", "pt") == "dcp"
+        self.async_save = self.dcp and getattr(cfg, "async_checkpoint", False)
+        self.async_group, self.pending, self.blocked_s = None, None, []
         self.early = EarlyStopping(cfg.monitor, cfg.early_stop_patience, cfg.early_stop_min_delta)
         self.tracked: dict = {}
         self.skipped_steps, self.data_wait_s, self.improved = 0, 0.0, False
@@ -83,15 +94,17 @@ class Run:
         print the banner. Returns (start_epoch, start_micro_step, step, samples_seen): zeros for a fresh run."""
         self.tracked = dict(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
         ckpt, env = self.ckpt, self.env
-        start_epoch, start_micro_step, step, samples_seen, self.best = resume_point(ckpt)
+        # the checkpoint's place in its epoch, in samples, as micro-steps of this run's (any split of the global batch)
+        start_epoch, start_micro_step, step, samples_seen, self.best = resume_point(ckpt, self.cfg.batch_size *
+                                                                                    self.replicas)
         if ckpt:
-            model.load_state_dict(ckpt["model"])
-            optimizer.load_state_dict(ckpt["optimizer"])
+            self._load_model_optimizer(ckpt, model, optimizer)
             scheduler.load_state_dict(ckpt["scheduler"])
             self._load_scaler(scaler, ckpt["scaler"])
             self.early.load_state_dict(ckpt["early_stopping"])
-            # Last: this rank's own RNG streams, so every draw from here on repeats the uninterrupted run's (a
-            # checkpoint of another world size holds rank 0's streams only: every rank takes those).
+            # Last: this rank's own RNG streams, so every draw from here on repeats the uninterrupted run's. At
+            # another world size, check_compatible allowed the resume only if training draws nothing per rank
+            # (no dropout, no augmentation): every rank takes rank 0's streams, which then decide nothing.
             per_rank = ckpt.get("rng_per_rank", [])
             restore_rng(per_rank[env.rank] if len(per_rank) == env.world_size else ckpt["rng"])
         # what stepped() compares the first step's scale with: a skip there leaves it below this (GradScaler before
@@ -121,6 +134,25 @@ class Run:
         self.train_rows: list = []  # (seconds, samples, samples/s) of each train row: summary.json's compile_s
         self.max_time_s = self.cfg.max_time_s()
         return start_epoch, start_micro_step, step, samples_seen
+
+    def _load_model_optimizer(self, ckpt: dict, model, optimizer) -> None:
+        """A .pt checkpoint's full state; a dcp folder's shards straight into sharded (DTensor) parameters, DCP
+        resharding them for this world size, or else read whole in each process (read_dcp_full)."""
+        if ckpt.get("format") == "dcp" and getattr(model, "sharded", None):
+            from torch.distributed.checkpoint.api import CheckpointException
+
+            from manual_train.zero import load_sharded
+
+            try:
+                load_sharded(*model.sharded, Path(ckpt["dcp"]), rest=ckpt["rest"])
+            except (Exception, CheckpointException) as e:  # another model's folder (DCP's is a BaseException)
+                raise UsageError("--resume", f"{ckpt['dcp']}: its shards cannot be read into this model "
+                                             f"({first_line(e)})") from None
+            return
+        if ckpt.get("format") == "dcp":
+            ckpt.update(read_dcp_full(Path(ckpt["dcp"]), ckpt))
+        model.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
 
     def _load_scaler(self, scaler, state: dict) -> None:
         """The "scaler" entry: {"precision", "scaler", "skipped_steps"}; a scale only means something to the
@@ -202,25 +234,73 @@ class Run:
         if not self.keep:  # --fast-dev-run (every rank alike: no collectives are skipped on one rank only)
             self.improved = False
             return
+        t_save = time.perf_counter()
         epoch_done = micro_steps_done >= self.micro_steps_per_epoch
         rng_per_rank = [capture_rng()]
         if self.distributed:
             rng_per_rank = [None] * self.env.world_size
             dist.all_gather_object(rng_per_rank, capture_rng())
-        model_state, optimizer_state = t["model"].state_dict(), t["optimizer"].state_dict()  # every rank (ZeRO)
+        if self.dcp:
+            model_state = optimizer_state = {}  # the shards go to DCP, every rank its own (_save_dcp)
+            rest, folder = self._save_dcp()
+        else:
+            model_state, optimizer_state = t["model"].state_dict(), t["optimizer"].state_dict()  # every rank (ZeRO)
         if self.env.master_process:
             checkpoint = build_checkpoint(
                 model_state=model_state, optimizer_state=optimizer_state, scheduler=t["scheduler"],
                 scaler_state=self._scaler_state(), early_stopping=self.early, cfg=self.cfg,
                 world_size=self.replicas, epoch=epoch + 1 if epoch_done else epoch,
                 micro_steps_done=0 if epoch_done else micro_steps_done, step=step, samples_seen=samples_seen,
-                best=self.best, rng_per_rank=rng_per_rank, **extra)
-            save_checkpoint(checkpoint, self.out_dir / "last.pt")
-            if self.improved:
-                save_checkpoint(checkpoint, self.out_dir / "best.pt")
+                best=self.best, rng_per_rank=rng_per_rank, script=self.script, **extra)
+            if self.dcp:  # everything but the shards, in the (not yet linked) folder
+                save_checkpoint({**checkpoint, "format": "dcp", "rest": rest}, folder / DCP_META)
+            else:
+                save_checkpoint(checkpoint, self.out_dir / "last.pt")
+                if self.improved:
+                    save_checkpoint(checkpoint, self.out_dir / "best.pt")
+        if self.dcp:
+            self.pending = (self.pending[0], folder, ("last.dcp", "best.dcp") if self.improved else ("last.dcp",))
+            if not self.async_save:
+                self._commit_dcp()
         self.improved = False
         if self.distributed:
             dist.barrier()
+        self.blocked_s.append(time.perf_counter() - t_save)  # the time the loop waited for this save
+
+    def _save_dcp(self) -> tuple[dict, Path]:
+        """Every rank writes its shards of the tracked DTensor model and optimizer into a new folder .dcp-<pid>-<hex>
+        (dcp.save, or async_save: then only the copy to host memory blocks). The previous async save is finished
+        and linked first: one write in flight at a time."""
+        from manual_train.zero import save_sharded
+
+        self._commit_dcp()
+        name = [f".dcp-{os.getpid()}-{os.urandom(3).hex()}" if self.env.master_process else None]
+        if self.distributed:
+            dist.broadcast_object_list(name, src=0)
+            if self.async_save and self.async_group is None:  # every rank creates it (a collective)
+                self.async_group = dist.new_group(backend="gloo")
+        folder = self.out_dir / name[0]
+        folder.mkdir(exist_ok=True)
+        rest, future = save_sharded(*self.tracked["model"].sharded, folder,
+                                    async_group=self.async_group if self.async_save else None)
+        self.pending = (future, folder, ())
+        return rest, folder
+
+    def _commit_dcp(self) -> None:
+        """Wait for the save in flight, then rank 0 points last.dcp (best.dcp) at its folder: a link replaced
+        atomically, so a crash at any point leaves the previous complete checkpoint named; older folders go."""
+        if self.pending is None:
+            return
+        future, folder, links = self.pending
+        if future is not None:
+            future.result()  # this rank's shards on disk (rank 0's: also DCP's .metadata, written last)
+        if self.distributed:
+            dist.barrier()  # every rank's shards on disk
+        if self.env.master_process:
+            for link in links:
+                link_atomically(self.out_dir / link, folder.name)
+            remove_unlinked_dcp(self.out_dir)
+        self.pending = None
 
     def _scaler_state(self) -> dict:
         return {"precision": self.cfg.precision, "scaler": self.tracked["scaler"].state_dict(),
@@ -249,12 +329,19 @@ class Run:
         says whether best.pt exists, so every rank takes the same branch (the evaluation all-reduces)."""
         self.progress.close()
         self.wall_s = time.perf_counter() - self.t_start
-        exists = [(self.out_dir / "best.pt").exists()]
+        self._commit_dcp()  # an async save still in flight
+        best = self.out_dir / ("best.dcp" if self.dcp else "best.pt")
+        exists = [best.exists()]
         if self.distributed:
             dist.broadcast_object_list(exists, src=0)
         if not (self.cfg.restore_best and exists[0]):
             return False
-        self.tracked["model"].load_state_dict(load_checkpoint(self.out_dir / "best.pt")["model"])
+        if self.dcp:
+            from manual_train.zero import load_sharded
+
+            load_sharded(*self.tracked["model"].sharded, best, model_only=True)
+        else:
+            self.tracked["model"].load_state_dict(load_checkpoint(best)["model"])
         return True
 
     def finish(self, epoch: int, step: int, samples_seen: int, val_loss: float, val_acc: float, *,
@@ -264,6 +351,10 @@ class Run:
             profiling.stop(self.profiler)  # a run that ended inside the window still writes what it recorded
         if self.stop_reason:
             extra.setdefault("stop_reason", self.stop_reason)
+        self._commit_dcp()
+        if self.blocked_s:  # the time the loop waited per save (bench/checkpoint_io.py: sync vs async, pt vs dcp)
+            extra.setdefault("checkpoint_blocked_s", statistics.mean(self.blocked_s))
+            extra.setdefault("checkpoint_blocked_s_per_save", [round(s, 6) for s in self.blocked_s])
         extra = {**self._steady_state(), **extra}
         if restored:
             self.log.print(f"restored best weights (epoch {self.early.best_epoch + 1}): "
@@ -274,7 +365,7 @@ class Run:
             samples_this_run=samples_seen - self.samples_at_start, val_loss=val_loss, val_acc=val_acc,
             best=self.best, early=self.early, skipped_steps=self.skipped_steps, wall_s=self.wall_s,
             data_wait_s=self.data_wait_s, peak_mem_bytes=peak_mem_bytes(self.device),
-            checkpoint=self.out_dir / "last.pt", lr=self.lr, **extra)
+            checkpoint=self.out_dir / ("last.dcp" if self.dcp else "last.pt"), lr=self.lr, **extra)
         self.log.write_summary(summary)
         self.log.print(f"done: val_acc {val_acc:.4f} val_loss {val_loss:.4f} after {step} steps in "
                        f"{self.wall_s:.1f} s; " + (f"outputs in {self.out_dir}" if self.keep else "no outputs kept"))

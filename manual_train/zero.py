@@ -41,6 +41,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from manual_train.checkpoint import CHECKPOINT_FORMATS, check_checkpoint_format, merge, split_tensors
 from manual_train.config import UsageError, arg
 from manual_train.distributed import DDPConfig
 from manual_train.optim import dtensor_kwargs, keep_impl, sharded_scaler_kwargs
@@ -61,6 +62,12 @@ class ZeroConfig(DDPConfig):
                      choices=STAGES)
     impl: str = arg("torch", "torch (ZeroRedundancyOptimizer, FSDP2: every stage, CPU and CUDA) or fairscale (OSS, "
                              "ShardedDDP; stage 3 is its FSDP, CUDA only; pip install -e '.[zero]')", choices=IMPLS)
+    checkpoint_format: str = arg("pt", "pt: last.pt, the full state gathered to rank 0 (every loop resumes it); dcp: "
+                                       "last.dcp/, every rank writes its own shards, no gather; resumes at any world "
+                                       "size (FSDP2: --impl torch --stage 2|3; docs/checkpointing.md)",
+                                 choices=CHECKPOINT_FORMATS)
+    async_checkpoint: bool = arg(False, "with --checkpoint-format dcp: write the shards in a background thread (the "
+                                        "loop waits only for a copy to host memory; the next save waits for this one)")
     reduce_buffer_size: Optional[int] = arg(None, "fairscale stage 2: elements per owner rank in ShardedDDP's "
                                                   "gradient reduce buffers; None is fairscale's 2**23, 0 shards "
                                                   "every gradient", min=0)
@@ -69,10 +76,24 @@ class ZeroConfig(DDPConfig):
         super().validate()
         on_cuda = self.device.startswith("cuda") or (self.device == "auto" and torch.cuda.is_available())
         check_zero(self.impl, self.stage, self.precision, on_cuda, self.reduce_buffer_size)
+        check_checkpoint_format(self.checkpoint_format, self.async_checkpoint, allowed="--impl torch --stage 2|3",
+                                sharded=self.impl == "torch" and self.stage in (2, 3))
         if self.knobs_set():  # DDP's constructor arguments and comm hooks: shard() builds its wrappers without them
             raise UsageError(self.knobs_set()[0], "is a knob of the DDP loop's DistributedDataParallel; launch/zero.py "
                                                   "builds its wrappers in manual_train/zero.py, without it",
                              "launch/ddp.py, or leave it out")
+
+    @property
+    def compile_after_wrapping(self) -> bool:
+        """--compile under FSDP2 (--impl torch, stages 2, 3) is applied by _fsdp2, after fully_shard, not by
+        models.build_model_from; stage 1 compiles before DDP, as the DDP loop does."""
+        return self.impl == "torch" and self.stage in (2, 3)
+
+    def check_compile(self) -> None:
+        if self.compile != "none" and self.impl == "fairscale":
+            raise UsageError("--compile", "fairscale's wrappers (OSS + ShardedDDP, its FSDP) are not built with it",
+                             "none, or --impl torch")
+        super().check_compile()
 
 
 def fairscale_or_error():
@@ -113,6 +134,9 @@ class FullState:
     state_dict: Callable[[], dict]
     load_state_dict: Callable[[dict], None]
     module: Optional[nn.Module] = None  # the unwrapped model, for Run's banner (the model's FullState only)
+    # (module, optimizer) whose parameters are DTensors (FSDP2, tensor parallel): Run's --checkpoint-format dcp saves
+    # and loads their shards with torch.distributed.checkpoint (save_sharded, load_sharded), no gather
+    sharded: Optional[tuple] = None
 
 
 class Sharded:
@@ -129,7 +153,8 @@ class Sharded:
         self.device = device
         self.model = cast(wrapper)
         self.eval_model = cast(self._eval_module())
-        self.full_model = FullState(self.model_state_dict, self.load_model_state_dict, raw_model)
+        self.full_model = FullState(self.model_state_dict, self.load_model_state_dict, raw_model,
+                                    sharded=(raw_model, optimizer) if isinstance(self, FSDP2Sharded) else None)
         self.full_optimizer = FullState(self.optimizer_state_dict, self.load_optimizer_state_dict)
 
     def __str__(self) -> str:
@@ -348,9 +373,24 @@ def _fsdp2(optimizer_class, kwargs: dict, raw_model: nn.Module, cfg: ZeroConfig,
     for parent, name in blocks(raw_model):
         fully_shard(getattr(parent, name), mesh=mesh, reshard_after_forward=cfg.stage == 3, mp_policy=mp_policy)
     fully_shard(raw_model, mesh=mesh, reshard_after_forward=cfg.stage == 3, mp_policy=mp_policy)  # the rest
+    compile_sharded(raw_model, cfg)
     kwargs = dtensor_kwargs(optimizer_class, kwargs, cfg.optimizer_impl)  # no fused SGD on DTensors
     optimizer = keep_impl(optimizer_class(raw_model.parameters(), **kwargs))  # over the DTensor shards
     return FSDP2Sharded(raw_model, optimizer, raw_model=raw_model, cfg=cfg, device=device, **spec)
+
+
+def compile_sharded(raw_model: nn.Module, cfg: ZeroConfig) -> None:
+    """--compile under FSDP2, after fully_shard (docs/levers.md): each unit's forward is compiled on its own, so the
+    FSDP hooks around it (all-gather before, reshard after: torch._dynamo.disable'd) stay outside the graphs.
+    blocks: each block's forward, one graph per distinct shape (the GPT's 4 blocks share 1). model: the root's
+    forward, which calls the FSDP-wrapped blocks, so dynamo splits it at their hooks (fullgraph=True there raises
+    Unsupported: "skipping FSDP hooks"). Compiling before fully_shard also captured on torch 2.14.1 (measured)."""
+    from manual_train.models import blocks_of, compile_forward
+
+    units = [raw_model] if cfg.compile == "model" else blocks_of(cfg.model, raw_model) if cfg.compile == "blocks" \
+        else []
+    for unit in units:
+        compile_forward(unit, fullgraph=cfg.compile == "blocks")
 
 
 # ---------------------------------------------------------------------- evaluation under FSDP
@@ -385,26 +425,39 @@ def same_batch_count(loader, device: torch.device) -> SameBatchCount:
 
 
 # ---------------------------------------------------------------------- sharded checkpoints (DCP), no gather
-def save_sharded(raw_model: nn.Module, optimizer, folder: Path) -> None:
-    """torch stages 2, 3: every rank writes its own shards with torch.distributed.checkpoint (DCP), no gather.
+def save_sharded(raw_model: nn.Module, optimizer, folder: Path, async_group=None) -> tuple[dict, object]:
+    """Every rank writes its own shards with torch.distributed.checkpoint (DCP), no gather; (rest, future).
 
     The option for models whose full state does not fit on one rank: nothing is gathered, files are written in
-    parallel, and DCP reshards on load (another world size works). The price: a folder of shards that only DCP
-    reads, not the single last.pt that launch/single.py can resume. Call on every rank.
+    parallel, and DCP reshards on load (another world size works). Only the tensors go to DCP; `rest` (param_groups,
+    the same on every rank) is for the caller to keep (Run: meta.pt). async_group: a process group of its own for
+    dcp.async_save, which copies the shards to host memory and writes them in a thread (the future); its
+    collectives must not interleave with training's on the default group. Call on every rank.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_state, optimizer_state = get_state_dict(raw_model, optimizer)  # DTensor shards, keyed by name
-    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(folder))
+    tensors, rest = split_tensors({"model": model_state, "optimizer": optimizer_state})
+    if async_group is not None:
+        return rest, dcp.async_save(tensors, checkpoint_id=str(folder), process_group=async_group)
+    dcp.save(tensors, checkpoint_id=str(folder))
+    return rest, None
 
 
-def load_sharded(raw_model: nn.Module, optimizer, folder: Path) -> None:
-    """Read a save_sharded folder into an FSDP2 model and its optimizer (each rank reads its shards)."""
+def load_sharded(raw_model: nn.Module, optimizer, folder: Path, rest: Optional[dict] = None,
+                 model_only: bool = False) -> None:
+    """Read a save_sharded folder into a DTensor model and its optimizer (each rank reads what its shards need, at
+    any world size); `rest` as save_sharded returned it (None: keep the optimizer's own param_groups)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict, set_state_dict
 
     model_state, optimizer_state = get_state_dict(raw_model, optimizer)  # the layout to read into
-    state = {"model": model_state, "optimizer": optimizer_state}
-    dcp.load(state, checkpoint_id=str(folder))
-    set_state_dict(raw_model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    layout = {"model": model_state} if model_only else {"model": model_state, "optimizer": optimizer_state}
+    tensors, own_rest = split_tensors(layout)
+    dcp.load(tensors, checkpoint_id=str(folder))
+    state = merge(tensors, own_rest if rest is None else {k: rest.get(k, {}) for k in layout})
+    if model_only:
+        set_model_state_dict(raw_model, state["model"])
+    else:
+        set_state_dict(raw_model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
