@@ -14,6 +14,8 @@ one stage per rank, each batch cut into micro-batches that flow through the stag
                        across the two ranks before the step (Megatron's embedding group), so both copies stay equal
   checkpoints ........ Pipeline.state_dict() and wrap_optimizer gather every stage's state: Run's checkpoint holds
                        the full GPT (any loop can load it) and the optimizer state of each stage
+  --compile .......... after the split: each of this rank's Stages (model) or their blocks (blocks); compiling the
+                       GPT before it would compile GPT.forward, which no stage runs
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ import torch.nn.functional as F
 
 from manual_train.config import UsageError, arg
 from manual_train.distributed import DDPConfig, DistEnv, read_env
-from manual_train.models import GPT, GPT_LAYERS, correct_count, loss_fn
+from manual_train.models import GPT, GPT_LAYERS, compile_forward, correct_count, loss_fn
 from manual_train.zero import FullState
 
 IGNORE = -100  # F.cross_entropy's ignore_index: the padded rows' targets (--impl torch)
@@ -44,6 +46,8 @@ class PipelineConfig(DDPConfig):
     microbatches: int = arg(4, "micro-batches each batch is cut into (the bubble is (p-1)/(m+p-1) of a step)", min=1)
     stages: int = arg(0, "pipeline stages (0: the world size; one stage per rank)", min=0)
     dp: int = arg(1, "data-parallel replicas of the pipeline (only 1: see docs/pipeline.md)", min=1)
+
+    compile_after_wrapping = True  # --compile: each Stage after the split (Pipeline), not the whole GPT before it
 
     def validate(self) -> None:
         super().validate()
@@ -108,6 +112,9 @@ class Pipeline(nn.Module):
         n_stages, depth = p * per_rank, len(gpt.blocks) // (p * per_rank)
         ids = [rank + k * p for k in range(per_rank)]  # interleaved: rank r runs stages r and r + p
         self.stages = nn.ModuleList(Stage(gpt, s * depth, (s + 1) * depth, s == 0, s == n_stages - 1) for s in ids)
+        for stage in self.stages:  # --compile: this rank's stages (model) or their blocks; GPT.forward never runs
+            for unit in [stage] if cfg.compile == "model" else stage.blocks.values() if cfg.compile == "blocks" else []:
+                compile_forward(unit, fullgraph=True)
         self.first, self.last = rank == 0, rank == p - 1
         self.width, self.vocab, self.n_predict = gpt.tok.embedding_dim, gpt.tok.num_embeddings, gpt.n_predict
         self.dtype = gpt.tok.weight.dtype

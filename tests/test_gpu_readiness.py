@@ -184,6 +184,22 @@ def test_gpu_check_script_parses():
     assert subprocess.run(["bash", "-n", str(GPU_CHECK)], capture_output=True, text=True).returncode == 0
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks what the CPU does with the CUDA-only entries")
+def test_gpu_check_runs_registered_entries_and_the_new_ones_skip_cleanly_on_the_cpu():
+    """BENCH_ONLY names only registered entries (CUDA graphs, TF32, compile + bf16 MFU among them); the new
+    children walk on the CPU without compiling (CUDA graphs: eager only) or TF32 (which the CPU ignores: no
+    deviation). (Without CUDA the suite itself refuses in one line: tests/test_bench.py.)"""
+    from manual_train.bench import gpu
+
+    default = re.search(r"BENCH_ONLY=\$\{BENCH_ONLY:-([a-z0-9_,]+)\}", GPU_CHECK.read_text()).group(1).split(",")
+    assert set(default) <= set(gpu.ENTRIES) and {"cuda_graphs", "tf32", "gpt_compile_mfu"} <= set(default), default
+    tiny = dict(vocab=32, block_size=8, n_layer=1, n_head=2, n_embd=16)
+    graphs = gpu._cuda_graphs_child(tiny, batch_size=2, warmup=1, steps=1, rounds=1, device="cpu")
+    assert list(graphs["step_s"]) == ["eager"]
+    tf32 = gpu._tf32_child(tiny, batch_size=2, steps=2, rounds=1, device="cpu")
+    assert tf32["logit_deviation"] == tf32["weight_deviation"] == 0.0 and not torch.backends.cuda.matmul.allow_tf32
+
+
 def _summarize(tmp_path: Path, log: str, rc: int) -> subprocess.CompletedProcess:
     path = tmp_path / "pytest-gpu.log"
     path.write_text(log)

@@ -9,8 +9,9 @@ per rank, the batch padded to equal micro-batches whose padded rows' targets are
 each micro-batch's mean loss weighted 1/m instead of by its share of the batch, fails the same check.
 Measured 2026-12-01 (2-core AVX-512 Xeon, torch 2.14.1, other jobs running): explicit 4.7e-14, torch gpipe and
 1f1b 5.9e-14, interleaved-1f1b 6.7e-14, the wrong weighting 1.3e-2; the file takes about a minute here. A resume
-at one stage and at two stages is exact (Run(..., replicas=1): the stages share every batch). No fp32 check
-against a noise floor yet.
+at one stage and at two stages is exact (Run(..., replicas=1): the stages share every batch). fp32, one epoch,
+against a noise floor measured in the same test (conftest.fp32_noise_floor): floor 4.2e-5, GPipe 1.9e-5, the 1/m
+weighting 1.1e-2 (fails the 10-floor bound).
 """
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import PARITY_TOL_64, load_model_state, make_cfg, max_param_diff, run_script
+from conftest import (PARITY_TOL_64, assert_within_fp32_floor, fp32_noise_floor, load_model_state, make_cfg,
+                      max_param_diff, run_script, train_state)
 from jobs import run_job
 from manual_train import pipelining
 from manual_train.bench import pipeline as bench_pipeline
@@ -30,7 +32,9 @@ from manual_train.loops import pipeline, single
 M = 4
 PARITY = dict(model="gpt", dataset="reverse", optimizer="adamw", lr=3e-3, synthetic_size=203, batch_size=30,
               accumulate=2, grad_clip=0.5, epochs=2, log_every=3, precision="64-true")
+FP32 = dict(PARITY, precision="32-true", epochs=1)  # the fp32 check: one epoch, against a measured noise floor
 SCENARIOS = {"explicit": dict(impl="explicit"), "wrong": dict(impl="explicit"),
+             "explicit_fp32": dict(impl="explicit"), "wrong_fp32": dict(impl="explicit"),
              "torch_gpipe": dict(impl="torch", pipeline_schedule="gpipe"),
              "torch_1f1b": dict(impl="torch", pipeline_schedule="1f1b"),
              "torch_interleaved": dict(impl="torch", pipeline_schedule="interleaved-1f1b")}
@@ -56,10 +60,11 @@ def _scenario(name: str, world_size: int, rank: int, out: Path) -> dict:
     if name == "resume":
         return _scenario_resume(out / name)
     real_share = pipelining.share
-    if name == "wrong":  # every micro-batch's mean loss weighted 1/m: the short ones' samples count more
+    if name.startswith("wrong"):  # every micro-batch's mean loss weighted 1/m: the short ones' samples count more
         pipelining.share = lambda rows, batch_rows: 1 / M
     try:
-        cfg = make_cfg(out / name, pipeline.PipelineConfig, microbatches=M, **PARITY, **SCENARIOS[name])
+        flags = FP32 if name.endswith("fp32") else PARITY
+        cfg = make_cfg(out / name, pipeline.PipelineConfig, microbatches=M, **flags, **SCENARIOS[name])
         summary = pipeline.train(cfg)
     finally:
         pipelining.share = real_share
@@ -98,6 +103,24 @@ def test_equal_micro_batch_weights_fail_the_parity_check(job2, baseline):
     diff = max_param_diff(load_model_state(out / "wrong" / "run"), baseline[0])
     print(f"1/m weights: {diff:.3g}")
     assert diff > 1e3 * PARITY_TOL_64
+
+
+def test_fp32_two_stages_within_the_noise_floor_and_equal_weights_are_not(job2, tmp_path):
+    """fp32, one epoch: GPipe's 2 stages (micro-batches summed in another order) drift from single.py by rounding,
+    within FP32_FLOOR_FACTOR x the drift of single.py itself from one-ulp-nudged initial weights; 1/m weights
+    do not."""
+    out, _ = job2
+
+    def baseline_weights(name: str) -> dict:
+        return train_state(single, Config, tmp_path, name, **FP32)[0]
+
+    reference = baseline_weights("fp32")
+    floor = fp32_noise_floor(baseline_weights, reference)
+    diff = max_param_diff(load_model_state(out / "explicit_fp32" / "run"), reference)
+    assert_within_fp32_floor(diff, floor, "GPipe, 2 stages vs single.py")
+    with pytest.raises(AssertionError):
+        assert_within_fp32_floor(max_param_diff(load_model_state(out / "wrong_fp32" / "run"), reference), floor,
+                                 "1/m weights vs single.py")
 
 
 def test_a_two_stage_run_resumed_mid_epoch_ends_as_the_unbroken_one(job2):

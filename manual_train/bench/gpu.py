@@ -1,4 +1,5 @@
-"""GPU entries (`python -m manual_train.bench --suite gpu`): precision, copies, host syncs, compile, cuDNN, MFU.
+"""GPU entries (`python -m manual_train.bench --suite gpu`): precision, copies, host syncs, compile, cuDNN, MFU,
+TF32, CUDA graphs.
 
 Written to be run on a lent CUDA machine by scripts/gpu_check.sh. Every `_..._child` function runs in
 a fresh process and takes a `device` argument, so tests/test_bench.py can walk its code on the CPU
@@ -667,6 +668,121 @@ def gpt_compile_mfu(bench: Bench) -> Outcome:
     return Outcome(rows, raw, notes)
 
 
+# ---------------------------------------------------------------------- CUDA graphs, TF32 (docs/levers.md)
+# A GPT small enough that a step is bound by kernel launches on an H200 (~60 kernels a block, each microseconds of
+# work): where replaying a CUDA graph, one launch instead of hundreds, can show.
+LAUNCH_BOUND_GPT = dict(vocab=4096, block_size=128, n_layer=4, n_head=4, n_embd=256)
+COMPILE_MODES = ("eager", "default", "reduce-overhead")
+
+
+def _cuda_graphs_child(size, batch_size: int, warmup: int, steps: int, rounds: int, device: str = "cuda") -> dict:
+    """bf16-mixed GPT step times: eager, torch.compile (Inductor's kernels, each launched by the host) and
+    torch.compile(mode="reduce-overhead") (the same kernels recorded into CUDA graphs and replayed: one launch per
+    graph). Each compiled step starts with cudagraph_mark_step_begin(): the previous step's graph outputs may be
+    overwritten. On a CPU only eager runs (CUDA graphs need CUDA; compiling there takes a minute)."""
+    import torch
+
+    device = torch.device(device)
+    variants, warmup_s = {}, {}
+    for mode in COMPILE_MODES if device.type == "cuda" else COMPILE_MODES[:1]:
+        torch.manual_seed(0)
+        model, make_batch = build_bench_model("gpt", size)
+        model.to(device)
+        x, y = make_batch(batch_size, device)
+        if mode != "eager":
+            model = torch.compile(model, mode=None if mode == "default" else mode)
+        step, _ = make_step(model, "bf16-mixed", device, x, y)
+        if mode == "reduce-overhead":
+            step = functools.partial(_step_marked, step)
+        t0 = time.perf_counter()
+        for _ in range(warmup):  # compiled: traces and compiles; reduce-overhead also records its graphs here
+            step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        warmup_s[mode] = time.perf_counter() - t0
+        variants[mode] = functools.partial(seconds_per_step, step, steps, device)
+    return {"step_s": interleave_blocks(variants, rounds), "warmup_s": warmup_s}
+
+
+def _step_marked(step) -> None:
+    import torch
+
+    torch.compiler.cudagraph_mark_step_begin()
+    step()
+
+
+def cuda_graphs(bench: Bench) -> Outcome:
+    size, batch_size = LAUNCH_BOUND_GPT, bench.pick(8, 16)
+    raw = bench.child(_cuda_graphs_child, size=size, batch_size=batch_size, warmup=bench.pick(5, 10),
+                      steps=bench.pick(20, 50), rounds=bench.repeats(3, 5), timeout_s=900)
+    what = f"gpt {size['n_layer']}x{size['n_embd']}, {batch_size}x{size['block_size']} tokens, bf16-mixed"
+    times = raw["step_s"]
+    rows = [value_row(bench.entry, "-", "eager", f"seconds per step, {what}", times["eager"], unit="s")]
+    if "default" in times:
+        rows += [ratio_row(bench.entry, "eager", "torch.compile", f"step time, {what}", times["eager"],
+                           times["default"]),
+                 ratio_row(bench.entry, "eager", "compile reduce-overhead", f"step time, {what}", times["eager"],
+                           times["reduce-overhead"]),
+                 ratio_row(bench.entry, "torch.compile", "compile reduce-overhead", f"step time, {what} (CUDA "
+                           "graphs' own share)", times["default"], times["reduce-overhead"])]
+        rows += [value_row(bench.entry, "-", f"compile {mode}", f"time of the first {bench.pick(5, 10)} steps "
+                           "(compile, record)", [raw["warmup_s"][mode]], unit="s") for mode in COMPILE_MODES[1:]]
+    return Outcome(rows, raw, ["Reported, no goal (the issue sets none): CUDA graphs save the host's kernel launches, "
+                               "which matter most on a launch-bound step like this small GPT's."])
+
+
+def _tf32_child(size, batch_size: int, steps: int, rounds: int, device: str = "cuda") -> dict:
+    """A float32 GPT step with TF32 matmuls off (IEEE float32) and on (torch.backends.cuda.matmul.allow_tf32, what
+    torch.set_float32_matmul_precision("high") sets): step times, and how far TF32 moves the numbers from the
+    same start: the logits of one forward, the weights after `steps` steps. On a CPU the flag changes nothing
+    (the deviations are 0): the code is walked there."""
+    import torch
+
+    device = torch.device(device)
+    torch.manual_seed(0)
+    model, make_batch = build_bench_model("gpt", size)
+    model.to(device)
+    x, y = make_batch(batch_size, device)
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    logits, weights, variants = {}, {}, {}
+    try:
+        for name, tf32 in (("ieee", False), ("tf32", True)):
+            set_tf32(tf32)
+            model.load_state_dict(start)
+            with torch.no_grad():
+                logits[name] = model(x).float()
+            step, params = make_step(model, "tf32" if tf32 else "32-true", device, x, y)
+            for _ in range(steps):
+                step()
+            weights[name] = [p.detach().clone() for p in params]
+            variants[name] = functools.partial(_tf32_timed, tf32, step, steps, device)
+        times = interleave_blocks(variants, rounds)
+    finally:
+        set_tf32(False)
+    return {"step_s": times, "logit_max_abs": logits["ieee"].abs().max().item(),
+            "logit_deviation": (logits["tf32"] - logits["ieee"]).abs().max().item(),
+            "weight_deviation": max((a - b).abs().max().item() for a, b in zip(weights["ieee"], weights["tf32"]))}
+
+
+def _tf32_timed(tf32: bool, step, steps: int, device) -> float:
+    set_tf32(tf32)
+    return seconds_per_step(step, steps, device)
+
+
+def tf32(bench: Bench) -> Outcome:
+    size, batch_size, steps = GPT_SIZES["quick"], bench.pick(16, 32), bench.pick(5, 10)
+    raw = bench.child(_tf32_child, size=size, batch_size=batch_size, steps=steps, rounds=bench.repeats(3, 5))
+    what = f"gpt {size['n_layer']}x{size['n_embd']}, {batch_size}x{size['block_size']} tokens, float32"
+    rows = [ratio_row(bench.entry, "TF32 off (IEEE)", "TF32 on", f"step time, {what}", raw["step_s"]["ieee"],
+                      raw["step_s"]["tf32"]),
+            value_row(bench.entry, "TF32 off (IEEE)", "TF32 on", "max abs logit difference, one forward",
+                      [raw["logit_deviation"]], unit="abs"),
+            value_row(bench.entry, "TF32 off (IEEE)", "TF32 on", f"max abs weight difference after {steps} SGD "
+                      "steps", [raw["weight_deviation"]], unit="abs")]
+    return Outcome(rows, raw, [f"Logits up to {raw['logit_max_abs']:.3g} in magnitude; TF32 keeps 10 mantissa bits "
+                               "of float32's 23 in the matmul inputs (relative error ~1e-3 per product)."])
+
+
 # name -> (function, what it measures). Order = run order.
 ENTRIES = {
     "syncs": (syncs, "host syncs per training step for each loss-logging idiom and the real loop"),
@@ -676,4 +792,7 @@ ENTRIES = {
     "cudnn_benchmark": (cudnn_benchmark, "cudnn.benchmark off vs on (resnet50, bf16-mixed)"),
     "gpt_compile_mfu": (gpt_compile_mfu, "torch.compile on/off and MFU of the gpt step vs the datasheet's and a "
                                          "measured bf16 peak"),
+    "tf32": (tf32, "float32 gpt step time with TF32 matmuls off vs on, and the logit and weight deviation"),
+    "cuda_graphs": (cuda_graphs, "gpt step time: eager vs torch.compile vs compile(mode='reduce-overhead') (CUDA "
+                                 "graphs)"),
 }
