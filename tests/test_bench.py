@@ -158,6 +158,24 @@ def test_rows_pair_repeats_and_judge_goals():
     assert value_row("e", "-", "B", "MB", [float("nan")], goal=Goal(">=", 3.2)).met is None
 
 
+def test_speedups_entry_is_registered_with_a_short_sane_config():
+    """speedups_vs_naive (manual_train/bench/speedups.py): registered, every speed-up is one of the project's own
+    flags, the timed windows fit in the first epoch, compile only where it pays (the GPT), and the naive loop and
+    the step clock run (on the cnn: no compiling in make test)."""
+    from manual_train import data
+    from manual_train.bench import cpu, speedups
+
+    assert cpu.ENTRIES["speedups_vs_naive"][0] is speedups.speedups_vs_naive
+    for case, c in speedups.CASES.items():
+        cfg = speedups._config(*c["flags"], *c["speedups"])  # parses: a UsageError here would exit
+        train_ds, _, _ = data.build_datasets(cfg)
+        assert 0 < c["first"] < c["last"] <= data.steps_per_epoch(len(train_ds), cfg.batch_size, 1), case
+        assert (c["last"] - c["first"]) % c["block"] == 0 and cfg.epochs == 1
+        assert (cfg.compile != "none") == (case == "gpt") and cfg.optimizer_impl == "fused"
+    step_s = speedups._naive_step_s("cnn")
+    assert 0 < step_s < 1.0
+
+
 def test_interleave_alternates_and_drops_warmup():
     calls = []
 
