@@ -70,6 +70,9 @@ LOOPS = (
     Loop("zero", "ddp", "ZERO", "ZeRO sharding",
          "The DDP loop with optimizer state, gradients and parameters sharded across ranks by fairscale or "
          "torch (`launch/zero.py`, docs/zero.md). Its base is the DDP loop, so its diff shows ZeRO alone."),
+    Loop("tensor_parallel", "zero", "TP", "Tensor parallelism (and 2-D FSDP2 x TP)",
+         "The GPT's attention and MLP split column/row-wise over --tp ranks of a DeviceMesh, and FSDP2 over --dp "
+         "replicas of that (`launch/tensor_parallel.py`, docs/tensor_parallel.md). Its base is the ZeRO loop."),
 )
 
 
