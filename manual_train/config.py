@@ -232,7 +232,8 @@ class Config:
             return
         refused = next((NO_COMPILE[c.__name__] for c in type(self).__mro__ if c.__name__ in NO_COMPILE), None)
         if refused:
-            raise UsageError("--compile", refused, "none, or launch/single.py, ddp.py, zero.py or pipeline.py")
+            raise UsageError("--compile", refused,
+                             "none, or launch/single.py, ddp.py, zero.py, pipeline.py or tensor_parallel.py")
         if self.activation_checkpointing != "none":  # checkpoint's recompute runs Python (BatchNorm's momentum swap)
             raise UsageError("--compile", "with --activation-checkpointing is not built (its recompute is Python "
                              "that dynamo would have to trace)", "none, or --activation-checkpointing none")

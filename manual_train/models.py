@@ -139,19 +139,27 @@ class Seq2Seq(nn.Module):
 
 
 class CausalSelfAttention(nn.Module):
+    """q, k and v are three Linears (torchtitan's wq, wk, wv), not one fused qkv: tensor parallelism's column split
+    (manual_train/tensor_parallelism.py) then gives each rank whole heads of each, and every state dict, sharded or
+    not, holds the same layout at any --tp. The views count heads with -1: n_head here, n_head/tp on a TP rank."""
+
     def __init__(self, n_embd: int, n_head: int, dropout: float = 0.0):
         super().__init__()
         self.n_head = n_head
-        self.qkv = nn.Linear(n_embd, 3 * n_embd)
+        # drawn as nanoGPT's fused (3C, C) Linear, then split: the seed gives the weights it gave before the split
+        fused = nn.Linear(n_embd, 3 * n_embd)
+        self.q, self.k, self.v = (nn.utils.skip_init(nn.Linear, n_embd, n_embd) for _ in range(3))  # no draws
+        with torch.no_grad():
+            for linear, weight, bias in zip((self.q, self.k, self.v), fused.weight.chunk(3), fused.bias.chunk(3)):
+                linear.weight.copy_(weight), linear.bias.copy_(bias)
         self.proj = nn.Linear(n_embd, n_embd)
         self.drop = nn.Dropout(dropout)  # on the residual branch, as nanoGPT's resid_dropout
 
     def forward(self, x):
         B, T, C = x.shape
-        q, k, v = self.qkv(x).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        q, k, v = (lin(x).view(B, T, -1, C // self.n_head).transpose(1, 2) for lin in (self.q, self.k, self.v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.drop(self.proj(y.transpose(1, 2).reshape(B, T, C)))
+        return self.drop(self.proj(y.transpose(1, 2).reshape(B, T, -1)))
 
 
 class Block(nn.Module):

@@ -1,20 +1,20 @@
 """Tensor parallelism for the GPT (loops/tensor_parallel.py, docs/tensor_parallel.md), and 2-D FSDP2 x TP.
 
 Megatron-LM's split (Shoeybi et al. 2019) of each transformer block over the --tp ranks of a DeviceMesh:
-  attention ..... qkv column-wise (each rank computes the q, k, v of n_head/tp heads), proj row-wise (each rank
+  attention ..... q, k, v column-wise (each rank computes the q, k, v of n_head/tp heads), proj row-wise (each rank
                   multiplies its heads' outputs by its rows of the projection; an all-reduce sums the partial
-                  outputs): one all-reduce forward, one backward (the input's gradient)
+                  outputs): one all-reduce forward, one backward (the input's gradient, summed over q, k and v
+                  first: the attention's input is declared replicated once, PrepareModuleInput)
   MLP ........... fc column-wise (a quarter of the hidden units on each of 4 ranks, GELU local), proj row-wise:
                   again one all-reduce forward, one backward
   the rest ...... embeddings, LayerNorms, the tied head: replicated on the tp ranks (the same computation on each)
 with torch.distributed.tensor.parallel's parallelize_module, ColwiseParallel and RowwiseParallel: the sharded
-weights are DTensors. Three things the plain recipe misses, handled here:
-  the fused qkv . the GPT's qkv Linear holds q, k, v stacked ([q; k; v], 3C rows). Column-wise sharding cuts
-                  its rows into tp contiguous blocks, so rank 0 would get all of q and half of k. The rows are
-                  regrouped before sharding ([q_0; k_0; v_0; q_1; ...]: rank r's heads together, qkv_order), and
-                  back in every state_dict: checkpoints hold the GPT's own layout
+weights are DTensors, in the GPT's own layout: q, k and v are three Linears (models.CausalSelfAttention; a fused
+qkv would give rank 0 all of q and half of k), so every state dict and every DCP shard (--checkpoint-format dcp)
+reads the same at any --tp. Two things the plain recipe misses, handled here:
   the heads ..... attention views its q, k, v as (B, T, heads, head_dim): with n_head/tp heads' columns per rank
-                  the head count is derived from the width (TPAttention, a view with -1), head_dim stays C/n_head
+                  the head count must come from the width (models.py's view with -1; a fixed n_head would cut
+                  each rank's columns into n_head heads of head_dim/tp, and run, wrongly), head_dim stays C/n_head
   the DTensor/foreach trap  the layers left unsharded hold plain tensors: the foreach and fused optimizers
                   step all parameters in one kernel list, and fail with "aten._foreach_mul_.Scalar got mixed
                   torch.Tensor and DTensor" (fused: aten._fused_adamw_). Here they become DTensors too, replicated
@@ -24,6 +24,7 @@ sequence too, each all-reduce an all-gather plus a reduce-scatter (shard_blocks,
 2-D (--dp D --tp T, D x T ranks): a (dp, tp) DeviceMesh; TP inside each row of T ranks, then FSDP2 fully_shard
 over the dp dimension (per block, then the root, as manual_train/zero.py), which shards each TP shard again by
 rows across the D replicas and reduce-scatters gradients over them. --stage 2 or 3 as in launch/zero.py.
+--compile blocks: each block compiled after all that (zero.compile_sharded), TP's hooks and collectives in its graph.
 """
 from __future__ import annotations
 
@@ -32,14 +33,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 
 from manual_train.config import UsageError, arg
 from manual_train.distributed import DistEnv, read_env
-from manual_train.models import CausalSelfAttention
 from manual_train.optim import dtensor_kwargs, keep_impl, sharded_scaler_kwargs
 from manual_train.precision import CastInputs
-from manual_train.zero import FSDP2Sharded, ZeroConfig, _constructor_kwargs
+from manual_train.zero import FSDP2Sharded, ZeroConfig, _constructor_kwargs, compile_sharded
 
 GPT_SIZES = dict(n_head=4, n_embd=64, mlp=256)  # models._build_model's GPT: what --tp must divide
 
@@ -58,26 +57,25 @@ class TPConfig(ZeroConfig):
 
     def validate(self) -> None:
         super().validate()
-        check_tp(self.model, self.tp, self.dp, self.impl, self.stage,
-                 checkpoint_format=getattr(self, "checkpoint_format", "pt"))
+        check_tp(self.model, self.tp, self.dp, self.impl, self.stage)
 
     def check_compile(self) -> None:
-        """Before ZeroConfig's: launch/zero.py compiles after fully_shard; parallelize() compiles nothing."""
-        if self.compile != "none":
-            raise UsageError("--compile", "compiling the DTensor blocks of tensor parallelism is not built here",
-                             "none")
+        """--compile blocks: parallelize() compiles each block after parallelize_module (and fully_shard)."""
+        if self.compile == "model":
+            raise UsageError("--compile", "compiling the whole DTensor model is not built here; each block is",
+                             "none or blocks")
+        super().check_compile()
 
     @property
     def compile_after_wrapping(self) -> bool:
-        return False  # nothing to compile (check_compile): models.build_model_from's call is the only one
+        return True  # parallelize() compiles (zero.compile_sharded), not models.build_model_from
 
     def mesh_shape(self, world_size: int) -> tuple[int, int]:
         """(dp, tp) of the DeviceMesh; --tp 0 resolved."""
         return self.dp, self.tp or world_size // self.dp
 
 
-def check_tp(model: str, tp: int, dp: int, impl: str, stage: int, world_size: int | None = None,
-             checkpoint_format: str = "pt") -> None:
+def check_tp(model: str, tp: int, dp: int, impl: str, stage: int, world_size: int | None = None) -> None:
     """The combinations that cannot work, refused in one line before anything starts."""
     world_size = read_env().world_size if world_size is None else world_size
     if model != "gpt":
@@ -96,9 +94,6 @@ def check_tp(model: str, tp: int, dp: int, impl: str, stage: int, world_size: in
         raise UsageError("--impl", "2-D parallelism here is FSDP2 (torch) over TP's DTensors", "torch")
     if dp > 1 and stage == 1:
         raise UsageError("--stage", "ZeroRedundancyOptimizer does not take DTensor parameters", "2 or 3")
-    if checkpoint_format == "dcp":  # DCP would store qkv's rows in TP's order, which only the same --tp reads right
-        raise UsageError("--checkpoint-format", "dcp would store the qkv rows in this --tp's order (qkv_order); "
-                                                "the .pt checkpoint holds the GPT's own layout", "pt")
 
 
 def dp_coords(cfg: TPConfig, env: DistEnv) -> tuple[int, int]:
@@ -109,33 +104,6 @@ def dp_coords(cfg: TPConfig, env: DistEnv) -> tuple[int, int]:
 
 
 # ---------------------------------------------------------------------- the sharding
-class TPAttention(CausalSelfAttention):
-    """CausalSelfAttention on this rank's heads: qkv's output is (B, T, 3 C/tp), [q_r, k_r, v_r]."""
-
-    def forward(self, x):
-        B, T, C = x.shape
-        q, k, v = self.qkv(x).chunk(3, dim=2)  # this rank's heads' q, k, v (qkv_order grouped its rows so)
-        q, k, v = (t.view(B, T, -1, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # -1: n_head/tp heads
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.drop(self.proj(y.transpose(1, 2).reshape(B, T, -1)))  # proj (row-wise) all-reduces
-
-
-def qkv_order(n_embd: int, tp: int) -> torch.Tensor:
-    """Row indices that regroup [q; k; v] into [q_0; k_0; v_0; q_1; k_1; v_1; ...], rank r's block r."""
-    return torch.arange(3 * n_embd).view(3, tp, n_embd // tp).transpose(0, 1).reshape(-1)
-
-
-def _reorder_qkv(state: dict, tp: int, inverse: bool) -> dict:
-    """state with every attn.qkv tensor (weight, bias, their optimizer moments) in TP's order or back."""
-    out = {}
-    for name, t in state.items():
-        if ".attn.qkv." in name and isinstance(t, torch.Tensor) and t.dim() > 0:
-            order = qkv_order(t.shape[0] // 3, tp)
-            t = t[torch.argsort(order)] if inverse else t[order]
-        out[name] = t
-    return out
-
-
 def _replicated_inputs(module, inputs, mesh):
     """distribute_module's input_fn: plain tensors in become DTensors replicated on the tp mesh (no copy)."""
     from torch.distributed.tensor import DTensor, Replicate
@@ -159,32 +127,38 @@ def replicate(raw_model: nn.Module, mesh) -> None:
         raw_model.head.weight = raw_model.tok.weight
 
 
-def shard_blocks(raw_model: nn.Module, mesh, tp: int, regroup: bool = True, sequence: bool = False) -> None:
-    """Megatron's split of every block on the tp mesh. regroup=False: the fused qkv cut as it is (wrong).
+def block_plan(sequence: bool = False) -> dict:
+    """Megatron's split of one block, as parallelize_module's plan: {submodule name: its style}.
 
+    attn's input is declared replicated before q, k and v take it, so that backward sums their three partial
+    gradients of it and all-reduces once (torchtitan's plan; without it each Linear would all-reduce its own).
     sequence (--sequence-parallel, Korthikanti et al. 2022): between the matmuls the activations stay split along the
     sequence (Shard(1)); the LayerNorms run on this rank's positions (SequenceParallel: their replicated weights'
     gradients all-reduced), column-wise layers all-gather the sequence first, row-wise layers reduce-scatter their
     partial sums into it (together the bytes of the all-reduce they replace)."""
-    from torch.distributed.tensor import Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
-                                                   parallelize_module)
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel)
 
     into, out_of = (dict(input_layouts=Shard(1)), dict(output_layouts=Shard(1))) if sequence else ({}, {})
-    plan = {"attn.qkv": ColwiseParallel(**into), "attn.proj": RowwiseParallel(**out_of),
+    plan = {"attn": PrepareModuleInput(input_layouts=(Shard(1) if sequence else Replicate(),),
+                                       desired_input_layouts=(Replicate(),)),
+            "attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
+            "attn.proj": RowwiseParallel(**out_of),
             "mlp.0": ColwiseParallel(**into), "mlp.2": RowwiseParallel(**out_of)}
     if sequence:
         plan.update({"ln1": SequenceParallel(), "ln2": SequenceParallel()})
+    return plan
+
+
+def shard_blocks(raw_model: nn.Module, mesh, sequence: bool = False) -> None:
+    """block_plan applied to every block on the tp mesh (and --sequence-parallel's way in and out)."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    if sequence:
         split_sequence(raw_model, mesh)
     for block in raw_model.blocks:
-        attn = block.attn
-        if regroup:
-            with torch.no_grad():
-                order = qkv_order(attn.qkv.out_features // 3, tp)
-                attn.qkv.weight.copy_(attn.qkv.weight[order])
-                attn.qkv.bias.copy_(attn.qkv.bias[order])
-        attn.__class__ = TPAttention
-        parallelize_module(block, mesh, plan)
+        parallelize_module(block, mesh, block_plan(sequence))
 
 
 def split_sequence(raw_model: nn.Module, mesh) -> None:
@@ -201,17 +175,6 @@ def split_sequence(raw_model: nn.Module, mesh) -> None:
     raw_model.blocks[-1].register_forward_hook(lambda m, inputs, out: move(out, Shard(1), Replicate()))
 
 
-@dataclass
-class Options:
-    """What parallelize() leaves out, for the tests' known-wrong variants (the loop uses the defaults)."""
-
-    replicate_rest: bool = True  # False: the DTensor/foreach trap
-    regroup_qkv: bool = True  # False: rank 0 gets q and half of k
-
-
-OPTIONS = Options()
-
-
 def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer, cfg: TPConfig, device: torch.device) -> "TP":
     """TP (and FSDP2 over dp when --dp > 1) applied to the baseline's model; the optimizer rebuilt over the
     DTensors with the baseline's class and hyper-parameters (it has not stepped: nothing is lost)."""
@@ -223,13 +186,14 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer, cfg: TPConfi
     psi = sum(p.numel() for p in raw_model.parameters())
     dp, tp = cfg.mesh_shape(dist.get_world_size())
     mesh = init_device_mesh(device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
-    shard_blocks(raw_model, mesh["tp"], tp, OPTIONS.regroup_qkv, cfg.sequence_parallel)
-    if OPTIONS.replicate_rest:
-        replicate(raw_model, mesh["tp"])
+    shard_blocks(raw_model, mesh["tp"], cfg.sequence_parallel)
+    replicate(raw_model, mesh["tp"])
     if dp > 1:  # FSDP2 over the replicas: each TP shard sharded again by rows (zero.py's stage 2 or 3)
         for block in raw_model.blocks:
             fully_shard(block, mesh=mesh["dp"], reshard_after_forward=cfg.stage == 3)
         fully_shard(raw_model, mesh=mesh["dp"], reshard_after_forward=cfg.stage == 3)
+    # --compile blocks: each block's forward, DTensor hooks and collectives inside the graph (FSDP2's outside)
+    compile_sharded(raw_model, cfg)
     optimizer_class = type(optimizer)
     kwargs = sharded_scaler_kwargs(_constructor_kwargs(optimizer), cfg.precision, cfg.optimizer_impl)  # as zero.py
     kwargs = dtensor_kwargs(optimizer_class, kwargs, cfg.optimizer_impl)
@@ -240,42 +204,19 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer, cfg: TPConfi
 
 # ---------------------------------------------------------------------- what the loop calls
 class TP(FSDP2Sharded):
-    """zero.FSDP2Sharded's methods (no no_sync: FSDP reduce-scatters every micro-batch; DTensor norms for clipping;
-    same_batch_count: TP's forward is a collective) plus the GPT's own layout in every state dict."""
+    """zero.FSDP2Sharded's methods unchanged (no no_sync: FSDP reduce-scatters every micro-batch; DTensor norms for
+    clipping; same_batch_count: TP's forward is a collective; the state dicts gathered from DTensors, or with
+    --checkpoint-format dcp their shards, all in the GPT's own layout)."""
 
     def __init__(self, *args, mesh, **kwargs):
         self.mesh = mesh
         self.dp, self.tp = mesh.shape
-        super().__init__(*args, **kwargs)
-        if hasattr(self.full_model, "sharded"):  # no DCP: its shards would hold qkv in TP's order (check_tp)
-            self.full_model.sharded = None
+        super().__init__(*args, **kwargs)  # full_model.sharded: (raw_model, optimizer), for DCP
 
     def __str__(self) -> str:
         fsdp = f", FSDP2 --stage {self.cfg.stage} over dp" if self.dp > 1 else ""
-        return f"DeviceMesh (dp {self.dp}, tp {self.tp}): ColwiseParallel qkv, fc; RowwiseParallel proj{fsdp} + " \
+        return f"DeviceMesh (dp {self.dp}, tp {self.tp}): ColwiseParallel q, k, v, fc; RowwiseParallel proj{fsdp} + " \
                f"{type(self.optimizer).__name__}"
-
-    def model_state_dict(self) -> dict:
-        return _reorder_qkv(super().model_state_dict(), self.tp, inverse=True)
-
-    def load_model_state_dict(self, state: dict) -> None:
-        super().load_model_state_dict(_reorder_qkv(state, self.tp, inverse=False))
-
-    def optimizer_state_dict(self) -> dict:
-        state = super().optimizer_state_dict()
-        return self._each_param_state(state, inverse=True) if state else state
-
-    def load_optimizer_state_dict(self, state: dict) -> None:
-        super().load_optimizer_state_dict(self._each_param_state(state, inverse=False))
-
-    def _each_param_state(self, state: dict, inverse: bool) -> dict:
-        """The optimizer's per-parameter moments of qkv in the checkpoint's order or TP's (keyed by position)."""
-        names = [n for n, _ in self.raw_model.named_parameters()]
-        by_name = {names[i]: s for i, s in state["state"].items()}
-        moved = {}
-        for name, s in by_name.items():
-            moved[name] = {k: _reorder_qkv({name: v}, self.tp, inverse)[name] for k, v in s.items()}
-        return {**state, "state": {names.index(n): s for n, s in moved.items()}}
 
     def memory_report(self) -> tuple[str, dict]:
         from manual_train.bench.tensor_parallel import memory_report
@@ -283,4 +224,4 @@ class TP(FSDP2Sharded):
         return memory_report(self)
 
 
-__all__ = ["TPConfig", "TP", "check_tp", "dp_coords", "parallelize", "qkv_order", "OPTIONS"]
+__all__ = ["TPConfig", "TP", "block_plan", "check_tp", "dp_coords", "parallelize"]

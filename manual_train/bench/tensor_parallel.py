@@ -23,8 +23,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from manual_train.bench.zero_memory import per_rank_bytes
 
-SPLIT = (".attn.qkv.", ".attn.proj.weight", ".mlp.0.", ".mlp.2.weight")  # the parameters TP splits; the rest
-OPTIMIZER_STATE_PER_PARAM = 2  # AdamW's exp_avg and exp_avg_sq                  # (row-wise biases too) is whole
+# the parameters TP splits; the rest (row-wise biases too) is whole
+SPLIT = (".attn.q.", ".attn.k.", ".attn.v.", ".attn.proj.weight", ".mlp.0.", ".mlp.2.weight")
+OPTIMIZER_STATE_PER_PARAM = 2  # AdamW's exp_avg and exp_avg_sq
 
 
 def held_formula(model_full_sizes: dict, tp: int, dp: int, element_size: int) -> int:

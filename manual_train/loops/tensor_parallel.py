@@ -16,14 +16,15 @@ sharded by FSDP and the loop is TP alone. What differs from the ZeRO loop:
   the mesh ......... ranks r*tp .. r*tp+tp-1 form data-parallel replica r (dp_coords): the sampler, the validation
                      shard, the batch sizes and the per-rank seed count replicas, not ranks; a replica's tp ranks
                      load the same batches and draw the same dropout masks
-  the model ........ parallelize() (manual_train/tensor_parallelism.py) in place of shard(): ColwiseParallel qkv
-                     and MLP fc, RowwiseParallel projections, every other parameter replicated on the tp mesh (the
+  the model ........ parallelize() (manual_train/tensor_parallelism.py) in place of shard(): ColwiseParallel q, k,
+                     v and MLP fc, RowwiseParallel projections, every other parameter replicated on the tp mesh (the
                      DTensor/foreach trap), then FSDP2 over dp; it returns zero's interface, so the step, clipping,
                      evaluation and checkpoints are the ZeRO loop's calls unchanged
   logging .......... unchanged: all_sum over every rank counts each replica tp times, in the numerator and the
                      denominator alike, so the logged means are the baseline's
-  checkpoints ...... the full GPT in its own layout (qkv's rows put back): single.py resumes it, and this loop resumes
-                     any loop's GPT checkpoint
+  checkpoints ...... the full GPT in its own layout: single.py resumes it, and this loop resumes any loop's GPT
+                     checkpoint; --checkpoint-format dcp: every rank's shards, resumable at another --dp x --tp or
+                     in one process
   the end .......... bytes held per rank next to the formula (bytes communicated: manual_train/bench/tensor_parallel.py)
 DEFAULTS: the GPT on the reverse task (docs/gpt.md), --batch-size 16 per replica (--dp 2: the baseline's 32).
 """
