@@ -36,7 +36,8 @@ from manual_train.precision import CastInputs, autocast_for, param_dtype
 class EvalArgs:
     """The flags of python -m manual_train.evaluate."""
 
-    checkpoint: Optional[str] = arg(None, "the checkpoint to evaluate (last.pt or best.pt of any launch script)",
+    checkpoint: Optional[str] = arg(None, "the checkpoint to evaluate (last.pt or best.pt of any launch script, or a "
+                                            "last.dcp/best.dcp folder, read whole)",
                                     metavar="PATH")
     split: str = arg("val", "val: the split the run validated on; test: the official test set (mnist, "
                             "fashion-mnist, cifar10)", choices=("val", "test"))
@@ -57,7 +58,7 @@ class EvalArgs:
         if self.checkpoint is None:
             raise UsageError("--checkpoint", "is required", "a last.pt or best.pt path")
         check_path(self.checkpoint, "--checkpoint")
-        if not Path(self.checkpoint).is_file():
+        if not (Path(self.checkpoint).is_file() or Path(self.checkpoint).is_dir()):  # a dcp checkpoint is a folder
             raise UsageError("--checkpoint", f"no checkpoint file at {self.checkpoint}")
         if self.data_root is not None:
             check_path(self.data_root, "--data-root")

@@ -198,7 +198,7 @@ class Run:
         """A metrics.csv row and the progress bar; a NaN/inf loss stops the run (every rank alike: the numbers
         are all-reduced), keeping the last good checkpoint."""
         if not math.isfinite(loss):
-            raise TrainingDiverged.at(loss, step, log_steps, self.out_dir / "last.pt")
+            raise TrainingDiverged.at(loss, step, log_steps, self.out_dir / ("last.dcp" if self.dcp else "last.pt"))
         now = time.perf_counter()
         rate = (samples_seen - self.log_samples) / (now - self.t_log)
         self.log.row(step=step, epoch=epoch, split="train", loss=loss, acc=acc, lr=lr,

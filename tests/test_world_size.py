@@ -150,6 +150,24 @@ def test_dcp_saved_at_4_resumed_by_the_single_loop(jobs, reference, tmp_path, st
     assert diff <= PARITY_TOL_64
 
 
+def test_evaluate_reads_a_dcp_folder_as_its_converted_pt(jobs, tmp_path, capsys):
+    """python -m manual_train.evaluate takes a dcp folder (read whole) and gives what its --to-pt file gives."""
+    import json
+
+    from manual_train import evaluate
+
+    folder = jobs[0] / "job4/zero-dcp_boundary/run/last.dcp"
+    converted = tmp_path / "converted.pt"
+    assert checkpoint.main(["--to-pt", str(folder), str(converted)]) == 0
+    results = []
+    for path in (folder, converted):
+        capsys.readouterr()
+        assert evaluate.main(["--checkpoint", str(path), "--json"]) == 0
+        results.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
+    assert results[0]["samples"] > 0 and results[0]["step"] == results[1]["step"]
+    assert (results[0]["loss"], results[0]["acc"]) == (results[1]["loss"], results[1]["acc"])
+
+
 def test_dcp_folder_is_a_link_to_a_complete_checkpoint(jobs):
     run_dir = jobs[0] / "job4/zero-dcp_boundary/run"
     link = run_dir / "last.dcp"
