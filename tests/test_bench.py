@@ -20,7 +20,7 @@ import torch
 
 from conftest import REPO, cuda_devices
 from manual_train.bench import cli, gpu, harness
-from manual_train.bench.harness import ChildFailed, Goal, fresh_process, ratio_row, value_row
+from manual_train.bench.harness import ChildFailed, Goal, fresh_process, ratio_row, single_config, value_row
 
 TINY_GPT = dict(vocab=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
 
@@ -167,7 +167,7 @@ def test_speedups_entry_is_registered_with_a_short_sane_config():
 
     assert cpu.ENTRIES["speedups_vs_naive"][0] is speedups.speedups_vs_naive
     for case, c in speedups.CASES.items():
-        cfg = speedups._config(*c["flags"], *c["speedups"])  # parses: a UsageError here would exit
+        cfg = single_config(*c["flags"], *c["speedups"])  # parses: a UsageError here would exit
         train_ds, _, _ = data.build_datasets(cfg)
         assert 0 < c["first"] < c["last"] <= data.steps_per_epoch(len(train_ds), cfg.batch_size, 1), case
         assert (c["last"] - c["first"]) % c["block"] == 0 and cfg.epochs == 1

@@ -20,9 +20,10 @@ from pathlib import Path
 
 from manual_train.bench.checkpoint_io import checkpoint_io_entry
 from manual_train.bench.ddp_knobs import ddp_knobs
-from manual_train.bench.harness import Bench, Goal, Outcome, interleave, median, mib, ratio_row, value_row
+from manual_train.bench.harness import (Bench, Goal, Outcome, StepClock, interleave, median, mib, ratio_row,
+                                        single_config, train_single, value_row)
 from manual_train.bench.levers import compile_speed, levers
-from manual_train.bench.speedups import StepClock, speedups_vs_naive
+from manual_train.bench.speedups import speedups_vs_naive
 from manual_train.bench.tensor_parallel import tensor_parallel_entry
 
 # What the two source articles (docs/benchmarks.md quotes them) promise, per technique.
@@ -35,20 +36,6 @@ CLAIM_AMP = "mixed precision 1.5-2x faster (art. 2), half the memory (art. 1) - 
 
 
 # ---------------------------------------------------------------------- shared helpers (run in children)
-def _config(*argv: str):
-    """A validated config built exactly as the launch scripts build it."""
-    from manual_train.config import Config, parse_config
-
-    return parse_config(Config, list(argv))
-
-
-def _train(run_dir: Path, *argv: str) -> dict:
-    """loops.single.train with these flags, writing into run_dir (which must not exist yet)."""
-    from manual_train.loops.single import train
-
-    return train(_config(*argv, "--no-progress", "--out-dir", str(run_dir)))
-
-
 def _csv_window_s(metrics_csv: Path, first: int, last: int) -> float:
     """Seconds between the train rows logged at optimizer steps `first` and `last` (the loop's own clock)."""
     with open(metrics_csv) as f:
@@ -59,7 +46,7 @@ def _csv_window_s(metrics_csv: Path, first: int, last: int) -> float:
 def _digits_tensors():
     from manual_train import data
 
-    train_ds, _, info = data.build_datasets(_config("--dataset", "digits"))
+    train_ds, _, info = data.build_datasets(single_config("--dataset", "digits"))
     return train_ds.tensors, info
 
 
@@ -82,7 +69,7 @@ def _ours_step_s(case: str) -> float:
     argv, first, last = LOOP_CASES[case]
     clock = StepClock(first, last, int(argv[-1]))
     with tempfile.TemporaryDirectory() as tmp:
-        _train(Path(tmp) / "run", *argv)
+        train_single(Path(tmp) / "run", *argv)
     return clock.per_step_s()
 
 
@@ -94,7 +81,7 @@ def _bare_setup(case: str):
     from manual_train.models import build_model_from
     from manual_train.optim import build_optimizer, build_scheduler, scaled_lr
 
-    cfg = _config(*LOOP_CASES[case][0])
+    cfg = single_config(*LOOP_CASES[case][0])
     train_ds, _, info = data.build_datasets(cfg)
     sampler = data.train_sampler(train_ds, cfg.seed)
     sampler.set_epoch(0)
@@ -258,7 +245,7 @@ def _loader_child(kind: str, workers: tuple, samples: int, batch_size: int, late
     loaders = {}
     for w in workers:
         # persistent workers: the timed epochs measure loading, not forking; the warm-up round starts them
-        cfg = _config("--num-workers", str(w), *(["--persistent-workers"] if w else []))
+        cfg = single_config("--num-workers", str(w), *(["--persistent-workers"] if w else []))
         loaders[f"workers={w}"] = data.build_loader(dataset, cfg, torch.device("cpu"), batch_size=batch_size)
     result = interleave({name: functools.partial(_epoch_throughput, loader, samples)
                          for name, loader in loaders.items()}, repeats, warmup=1)
@@ -311,7 +298,7 @@ def _logging_growth_child(variant: str, steps: int, warmup: int, sample_every: i
     (x_all, y_all), info = _digits_tensors()
     torch.manual_seed(0)
     model = build_model("mlp", info)
-    optimizer = build_optimizer(_config(), model.parameters(), 0.05)
+    optimizer = build_optimizer(single_config(), model.parameters(), 0.05)
     batch = 32
     kept = []  # whatever the logging holds on to
     total = [torch.zeros(())]
@@ -358,9 +345,9 @@ def _loop_growth_child(short_steps: int, long_steps: int) -> dict:
 
     args = ("--model", "mlp", "--batch-size", "32", "--log-every", "10", "--early-stop-patience", "0")
     with tempfile.TemporaryDirectory() as tmp:
-        _train(Path(tmp) / "warmup", *args, "--max-steps", "20")
-        _, short = peak_rss_delta(lambda: _train(Path(tmp) / "short", *args, "--max-steps", str(short_steps)))
-        _, long = peak_rss_delta(lambda: _train(Path(tmp) / "long", *args, "--max-steps", str(long_steps)))
+        train_single(Path(tmp) / "warmup", *args, "--max-steps", "20")
+        _, short = peak_rss_delta(lambda: train_single(Path(tmp) / "short", *args, "--max-steps", str(short_steps)))
+        _, long = peak_rss_delta(lambda: train_single(Path(tmp) / "long", *args, "--max-steps", str(long_steps)))
     return {"short_peak_delta_bytes": short, "long_peak_delta_bytes": long}
 
 
@@ -430,7 +417,7 @@ def _eval_child(mode: str, samples: int, batch_size: int) -> dict:
     from manual_train.precision import autocast_for
 
     cpu = torch.device("cpu")
-    cfg = _config(*EVAL_ARGS, "--synthetic-size", str(4 * samples), "--eval-batch-size", str(batch_size))
+    cfg = single_config(*EVAL_ARGS, "--synthetic-size", str(4 * samples), "--eval-batch-size", str(batch_size))
     _, val_ds, info = data.build_datasets(cfg)
     # materialised up front, so the timed pass measures the model, not SyntheticImages' generator
     xs, ys = zip(*(val_ds[i] for i in range(len(val_ds))))
@@ -491,8 +478,8 @@ def _accumulation_child(batch_size: int, accumulate: int, steps: int) -> dict:
 
     args = (*ACCUM_ARGS, "--batch-size", str(batch_size), "--accumulate", str(accumulate))
     with tempfile.TemporaryDirectory() as tmp:
-        _train(Path(tmp) / "warmup", *args, "--max-steps", "1")
-        summary, delta = peak_rss_delta(lambda: _train(Path(tmp) / "run", *args, "--max-steps", str(steps)))
+        train_single(Path(tmp) / "warmup", *args, "--max-steps", "1")
+        summary, delta = peak_rss_delta(lambda: train_single(Path(tmp) / "run", *args, "--max-steps", str(steps)))
     return {"peak_delta_bytes": delta, "final_val_loss": summary["final_val_loss"]}
 
 
@@ -527,10 +514,10 @@ def _early_stopping_child(epochs: int, patience: int, repeats: int) -> dict:
     counter = iter(range(10 ** 6))
 
     def run(patience_: int) -> dict:
-        s = _train(Path(tmp.name) / f"run{next(counter)}", *args, "--early-stop-patience", str(patience_))
+        s = train_single(Path(tmp.name) / f"run{next(counter)}", *args, "--early-stop-patience", str(patience_))
         return {k: s[k] for k in ("wall_s", "epochs_run", "best_epoch", "best_val_loss", "stopped_early")}
 
-    _train(Path(tmp.name) / "warmup", "--model", "mlp", "--dataset", "digits", "--epochs", "1")  # first-call costs
+    train_single(Path(tmp.name) / "warmup", "--model", "mlp", "--dataset", "digits", "--epochs", "1")  # first-call costs
     result = interleave({"fixed": functools.partial(run, 0), "early": functools.partial(run, patience)},
                         repeats, warmup=0)
     tmp.cleanup()
@@ -572,7 +559,7 @@ def _precision_window_s(precision: str, first: int, last: int) -> float:
         if precision in O2_PRECISIONS:
             apex_o2.train(parse_config(O2Config, [*argv, "--no-progress", "--out-dir", str(run_dir)]))
         else:
-            _train(run_dir, *argv)
+            train_single(run_dir, *argv)
         return _csv_window_s(run_dir / "metrics.csv", first, last)
 
 

@@ -71,12 +71,6 @@ def set_tf32(enabled: bool) -> None:
         torch.backends.cudnn.allow_tf32 = enabled
 
 
-def _config(*argv: str):
-    from manual_train.config import Config, parse_config
-
-    return parse_config(Config, list(argv))
-
-
 def seconds_per_step(step, n: int, device) -> float:
     """Mean seconds per step() over n calls: CUDA events on GPUs (GPU time), the host clock on the CPU."""
     import torch

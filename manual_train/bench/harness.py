@@ -291,6 +291,45 @@ class Bench:
 
 
 # ---------------------------------------------------------------------- small helpers for children
+class StepClock:
+    """Seconds per optimizer step between steps `first` and `last` of the next run, read by a global
+    optimizer-step hook (the same few instructions in every loop timed): the fastest of its blocks of `block`
+    steps. On a shared machine the noise only adds (another process takes the core or evicts the caches), so, as
+    timeit does, the fastest block is the best estimate of the loop's own cost; every loop is read the same way.
+    `clock`: time.process_time (the process's CPU time) or time.perf_counter (wall)."""
+
+    def __init__(self, first: int, last: int, block: int, clock=time.process_time):
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        self.first, self.last, self.block, self.clock, self.steps, self.marks = first, last, block, clock, 0, []
+        self.handle = register_optimizer_step_post_hook(self._hook)
+
+    def _hook(self, optimizer, args, kwargs) -> None:
+        self.steps += 1
+        if self.first <= self.steps <= self.last and (self.steps - self.first) % self.block == 0:
+            self.marks.append(self.clock())
+
+    def per_step_s(self) -> float:
+        self.handle.remove()
+        if len(self.marks) < 2:
+            raise RuntimeError(f"the run ended after {self.steps} steps, before step {self.last}")
+        return min(b - a for a, b in zip(self.marks, self.marks[1:])) / self.block
+
+
+def single_config(*argv: str):
+    """A validated config of the baseline loop, built exactly as launch/single.py builds it."""
+    from manual_train.config import Config, parse_config
+
+    return parse_config(Config, list(argv))
+
+
+def train_single(run_dir: Path, *argv: str) -> dict:
+    """loops.single.train with these flags, writing into run_dir (which must not exist yet)."""
+    from manual_train.loops.single import train
+
+    return train(single_config(*argv, "--no-progress", "--out-dir", str(run_dir)))
+
+
 def median(values) -> float:
     return statistics.median(values)
 

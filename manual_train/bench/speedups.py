@@ -16,7 +16,7 @@ side is loops.single.train through the project's own flags (docs/levers.md), eac
 
 Both train the same model on the same data with the same learning rate; the clock is the process's CPU time per
 optimizer step between two steps of the first epoch (a global optimizer-step hook in both: no evaluation inside),
-the fastest of its blocks (see StepClock). CPU time, because wall time on this shared 2-core machine measured the
+the fastest of its blocks (harness.StepClock). CPU time, because wall time on this shared 2-core machine measured the
 other processes (a naive GPT step read 27 ms one minute and 92 ms the next); no worker processes load data on
 either side, so the process's CPU time holds all of a step's work. The first steps of a compiled run hold the
 compilation (outside the window): summary.json's compile_s, and the number of steps after which the faster step
@@ -29,7 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from manual_train.bench.harness import Bench, Goal, Outcome, interleave, median, ratio_row, value_row
+from manual_train.bench.harness import (Bench, Goal, Outcome, StepClock, interleave, median, ratio_row, single_config,
+                                        train_single, value_row)
 
 # name -> the run's flags, the speed-up flags, the timed window (first, last step; blocks of `block` steps)
 CASES = {
@@ -43,49 +44,15 @@ CASES = {
 }
 
 
-class StepClock:
-    """Seconds per optimizer step between steps `first` and `last` of the next run, read by a global
-    optimizer-step hook (the same few instructions in every loop timed): the fastest of its blocks of `block`
-    steps. On a shared machine the noise only adds (another process takes the core or evicts the caches), so, as
-    timeit does, the fastest block is the best estimate of the loop's own cost; every loop is read the same way.
-    `clock`: time.process_time (the process's CPU time) or time.perf_counter (wall)."""
-
-    def __init__(self, first: int, last: int, block: int, clock=time.process_time):
-        from torch.optim.optimizer import register_optimizer_step_post_hook
-
-        self.first, self.last, self.block, self.clock, self.steps, self.marks = first, last, block, clock, 0, []
-        self.handle = register_optimizer_step_post_hook(self._hook)
-
-    def _hook(self, optimizer, args, kwargs) -> None:
-        self.steps += 1
-        if self.first <= self.steps <= self.last and (self.steps - self.first) % self.block == 0:
-            self.marks.append(self.clock())
-
-    def per_step_s(self) -> float:
-        self.handle.remove()
-        if len(self.marks) < 2:
-            raise RuntimeError(f"the run ended after {self.steps} steps, before step {self.last}")
-        return min(b - a for a, b in zip(self.marks, self.marks[1:])) / self.block
-
-
-def _config(*argv: str):
-    from manual_train.config import Config, parse_config
-
-    return parse_config(Config, list(argv))
-
-
 def _fast_run(case: str, compile_: bool = True) -> dict:
     """loops.single.train with every speed-up flag (without --compile when compile_ is False)."""
-    from manual_train.loops.single import train
-
     c = CASES[case]
     speedups = list(c["speedups"])
     if not compile_ and "--compile" in speedups:
         del speedups[speedups.index("--compile"):speedups.index("--compile") + 2]
     clock = StepClock(c["first"], c["last"], c["block"])
     with tempfile.TemporaryDirectory() as tmp:
-        summary = train(_config(*c["flags"], *speedups, "--no-progress",
-                                "--out-dir", str(Path(tmp) / "run")))
+        summary = train_single(Path(tmp) / "run", *c["flags"], *speedups)
     return {"step_s": clock.per_step_s(), "compile_s": summary.get("compile_s") or 0.0}
 
 
@@ -97,7 +64,7 @@ def _naive_step_s(case: str) -> float:
     from manual_train.models import build_model, loss_fn
 
     c = CASES[case]
-    cfg = _config(*c["flags"])
+    cfg = single_config(*c["flags"])
     train_ds, _, info = data.build_datasets(cfg)
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, info)
