@@ -28,7 +28,7 @@ import time
 import warnings
 from contextlib import nullcontext
 
-from manual_train.bench.harness import Bench, Goal, Outcome, ratio_row, value_row
+from manual_train.bench.harness import Bench, Goal, Outcome, ratio_row, seconds_per_step, value_row
 
 CLAIM_AMP = "mixed precision 1.5-2x faster (art. 2); 16-bit halves memory (art. 1)"
 CLAIM_PIN = "pin_memory=True speeds up transfers to the GPU (art. 2)"
@@ -69,24 +69,6 @@ def set_tf32(enabled: bool) -> None:
         warnings.simplefilter("ignore")  # torch >= 2.9 announces that allow_tf32 will be deprecated
         torch.backends.cuda.matmul.allow_tf32 = enabled
         torch.backends.cudnn.allow_tf32 = enabled
-
-
-def seconds_per_step(step, n: int, device) -> float:
-    """Mean seconds per step() over n calls: CUDA events on GPUs (GPU time), the host clock on the CPU."""
-    import torch
-
-    if device.type != "cuda":
-        t0 = time.perf_counter()
-        for _ in range(n):
-            step()
-        return (time.perf_counter() - t0) / n
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(n):
-        step()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1000 / n  # elapsed_time is in milliseconds
 
 
 # ---------------------------------------------------------------------- models, batches, the step

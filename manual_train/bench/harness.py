@@ -291,6 +291,24 @@ class Bench:
 
 
 # ---------------------------------------------------------------------- small helpers for children
+def seconds_per_step(step, n: int, device) -> float:
+    """Mean seconds per step() over n calls: CUDA events on GPUs (GPU time), the host clock on the CPU."""
+    import torch
+
+    if device.type != "cuda":
+        t0 = time.perf_counter()
+        for _ in range(n):
+            step()
+        return (time.perf_counter() - t0) / n
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        step()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1000 / n  # elapsed_time is in milliseconds
+
+
 class StepClock:
     """Seconds per optimizer step between steps `first` and `last` of the next run, read by a global
     optimizer-step hook (the same few instructions in every loop timed): the fastest of its blocks of `block`

@@ -203,13 +203,6 @@ def _train_step(model, optimizer, x, y) -> None:
     optimizer.step()
 
 
-def _seconds_per_step(step, steps: int) -> float:
-    start = time.perf_counter()
-    for _ in range(steps):
-        step()
-    return (time.perf_counter() - start) / steps
-
-
 def _compile_child(batch: int, steps: int, repeats: int) -> dict:
     """--model gpt --dataset reverse built as the loops build it (build_model_from, build_optimizer's fused AdamW)
     under each --compile mode, in one process: the first step's seconds (tracing and compiling forward and
@@ -220,7 +213,7 @@ def _compile_child(batch: int, steps: int, repeats: int) -> dict:
     from torch.utils.data import default_collate
 
     from manual_train import data
-    from manual_train.bench.harness import interleave
+    from manual_train.bench.harness import interleave, seconds_per_step
     from manual_train.config import Config, parse_config
     from manual_train.models import build_model_from
     from manual_train.optim import build_optimizer
@@ -238,7 +231,7 @@ def _compile_child(batch: int, steps: int, repeats: int) -> dict:
         start = time.perf_counter()
         step()
         first_s[mode] = time.perf_counter() - start
-        measure[mode] = functools.partial(_seconds_per_step, step, steps)
+        measure[mode] = functools.partial(seconds_per_step, step, steps, torch.device("cpu"))
     return {"step_s": interleave(measure, repeats), "first_step_s": first_s}
 
 
