@@ -36,9 +36,8 @@ import torch.nn as nn
 
 from manual_train.config import UsageError, arg
 from manual_train.distributed import DistEnv, read_env
-from manual_train.optim import dtensor_kwargs, keep_impl, sharded_scaler_kwargs
-from manual_train.precision import CastInputs
-from manual_train.zero import FSDP2Sharded, ZeroConfig, _constructor_kwargs, compile_sharded
+from manual_train.zero import (FSDP2Sharded, ZeroConfig, compile_sharded, fully_shard_units,
+                               optimizer_over_dtensors, sharding_spec)
 
 GPT_SIZES = dict(n_head=4, n_embd=64, mlp=256)  # models._build_model's GPT: what --tp must divide
 
@@ -179,27 +178,19 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer, cfg: TPConfi
     """TP (and FSDP2 over dp when --dp > 1) applied to the baseline's model; the optimizer rebuilt over the
     DTensors with the baseline's class and hyper-parameters (it has not stepped: nothing is lost)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
-    casts = isinstance(model, CastInputs)
-    raw_model = model.module if casts else model
-    psi = sum(p.numel() for p in raw_model.parameters())
+    spec, optimizer_class, kwargs = sharding_spec(model, optimizer, cfg, device)  # as zero.shard
+    raw_model = spec["raw_model"]
     dp, tp = cfg.mesh_shape(dist.get_world_size())
     mesh = init_device_mesh(device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
     shard_blocks(raw_model, mesh["tp"], cfg.sequence_parallel)
     replicate(raw_model, mesh["tp"])
     if dp > 1:  # FSDP2 over the replicas: each TP shard sharded again by rows (zero.py's stage 2 or 3)
-        for block in raw_model.blocks:
-            fully_shard(block, mesh=mesh["dp"], reshard_after_forward=cfg.stage == 3)
-        fully_shard(raw_model, mesh=mesh["dp"], reshard_after_forward=cfg.stage == 3)
+        fully_shard_units(raw_model, mesh["dp"], cfg)
     # --compile blocks: each block's forward, DTensor hooks and collectives inside the graph (FSDP2's outside)
     compile_sharded(raw_model, cfg)
-    optimizer_class = type(optimizer)
-    kwargs = sharded_scaler_kwargs(_constructor_kwargs(optimizer), cfg.precision, cfg.optimizer_impl)  # as zero.py
-    kwargs = dtensor_kwargs(optimizer_class, kwargs, cfg.optimizer_impl)
-    optimizer = keep_impl(optimizer_class(raw_model.parameters(), **kwargs))
-    cast = (lambda m: CastInputs(m, model.dtype)) if casts else (lambda m: m)
-    return TP(raw_model, optimizer, raw_model=raw_model, cfg=cfg, device=device, psi=psi, cast=cast, mesh=mesh)
+    optimizer = optimizer_over_dtensors(raw_model, optimizer_class, kwargs, cfg)
+    return TP(raw_model, optimizer, **spec, mesh=mesh)
 
 
 # ---------------------------------------------------------------------- what the loop calls

@@ -316,6 +316,20 @@ def _constructor_kwargs(optimizer: torch.optim.Optimizer) -> dict:
     return {k: v for k, v in optimizer.defaults.items() if k in accepted}
 
 
+def sharding_spec(model: nn.Module, optimizer: torch.optim.Optimizer, cfg: ZeroConfig,
+                  device: torch.device) -> tuple[dict, type, dict]:
+    """(the Sharded's keyword arguments, the optimizer's class, its constructor's keyword arguments) for shard() and
+    tensor_parallelism.parallelize(): raw_model with the 64-true cast peeled off (put back around the result),
+    psi counted before sharding, and the hyper-parameters the optimizer is rebuilt with around the shards."""
+    assert len(optimizer.param_groups) == 1, "one parameter group (what optim.build_optimizer builds)"
+    casts = isinstance(model, CastInputs)
+    raw_model = model.module if casts else model
+    spec = dict(raw_model=raw_model, cfg=cfg, device=device, psi=sum(p.numel() for p in raw_model.parameters()),
+                cast=(lambda m: CastInputs(m, model.dtype)) if casts else (lambda m: m))  # psi: before sharding
+    kwargs = sharded_scaler_kwargs(_constructor_kwargs(optimizer), cfg.precision, cfg.optimizer_impl)
+    return spec, type(optimizer), kwargs
+
+
 def shard(model: nn.Module, optimizer: torch.optim.Optimizer, cfg: ZeroConfig, device: torch.device) -> Sharded:
     """ZeRO stage `cfg.stage` with `cfg.impl`, from the baseline's model and optimizer (what the loop needs).
 
@@ -325,13 +339,8 @@ def shard(model: nn.Module, optimizer: torch.optim.Optimizer, cfg: ZeroConfig, d
     rebuilt around the shards; its state is empty (it never stepped), so nothing is lost. Every rank must call
     this with the same weights (same seed), as with DDP.
     """
-    assert len(optimizer.param_groups) == 1, "one parameter group (what optim.build_optimizer builds)"
-    casts = isinstance(model, CastInputs)
-    raw_model = model.module if casts else model
-    spec = dict(raw_model=raw_model, cfg=cfg, device=device, psi=sum(p.numel() for p in raw_model.parameters()),
-                cast=(lambda m: CastInputs(m, model.dtype)) if casts else (lambda m: m))  # psi: before sharding
-    params, optimizer_class = list(optimizer.param_groups[0]["params"]), type(optimizer)
-    kwargs = sharded_scaler_kwargs(_constructor_kwargs(optimizer), cfg.precision, cfg.optimizer_impl)
+    spec, optimizer_class, kwargs = sharding_spec(model, optimizer, cfg, device)
+    params = list(optimizer.param_groups[0]["params"])
     if cfg.impl == "fairscale":
         from manual_train import zero_fairscale
 
@@ -343,7 +352,7 @@ def shard(model: nn.Module, optimizer: torch.optim.Optimizer, cfg: ZeroConfig, d
         # least-loaded rank); after its local step it broadcasts its updated parameters to the others. The model
         # is a plain DDP model: every rank still holds all parameters and all (all-reduced) gradients.
         optimizer = ZeroRedundancyOptimizer(params, optimizer_class=optimizer_class, **kwargs)
-        return Sharded(DDP(raw_model, device_ids=device_ids(device)), optimizer, **spec)
+        return Sharded(DDP(spec["raw_model"], device_ids=device_ids(device)), optimizer, **spec)
     return _fsdp2(optimizer_class, kwargs, **spec)
 
 
@@ -355,7 +364,7 @@ def device_ids(device: torch.device) -> Optional[list]:
 def _fsdp2(optimizer_class, kwargs: dict, raw_model: nn.Module, cfg: ZeroConfig, device: torch.device,
            **spec) -> FSDP2Sharded:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
     # FSDP2: every parameter becomes a DTensor sharded along dim 0 over the ranks (each holds 1/N of every
     # tensor, so the shards are even up to a row). Forward all-gathers a unit's parameters, backward
@@ -370,13 +379,27 @@ def _fsdp2(optimizer_class, kwargs: dict, raw_model: nn.Module, cfg: ZeroConfig,
         # reduce-scatter gradients in fp32 into the fp32 shards, which are the master weights the optimizer
         # steps. autocast stays on around forward for the ops it keeps in fp32 (softmax, the loss).
         mp_policy = MixedPrecisionPolicy(param_dtype=MIXED_DTYPES[cfg.precision], reduce_dtype=torch.float32)
+    fully_shard_units(raw_model, mesh, cfg, mp_policy)
+    compile_sharded(raw_model, cfg)
+    optimizer = optimizer_over_dtensors(raw_model, optimizer_class, kwargs, cfg)
+    return FSDP2Sharded(raw_model, optimizer, raw_model=raw_model, cfg=cfg, device=device, **spec)
+
+
+def fully_shard_units(raw_model: nn.Module, mesh, cfg: ZeroConfig, mp_policy=None) -> None:
+    """FSDP2 on `mesh`: each block (zero.blocks) its own unit, then the root for the rest; stage 3 reshards after
+    forward. mp_policy None: compute and communicate in the parameters' dtype."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp_policy = mp_policy or MixedPrecisionPolicy()
     for parent, name in blocks(raw_model):
         fully_shard(getattr(parent, name), mesh=mesh, reshard_after_forward=cfg.stage == 3, mp_policy=mp_policy)
     fully_shard(raw_model, mesh=mesh, reshard_after_forward=cfg.stage == 3, mp_policy=mp_policy)  # the rest
-    compile_sharded(raw_model, cfg)
-    kwargs = dtensor_kwargs(optimizer_class, kwargs, cfg.optimizer_impl)  # no fused SGD on DTensors
-    optimizer = keep_impl(optimizer_class(raw_model.parameters(), **kwargs))  # over the DTensor shards
-    return FSDP2Sharded(raw_model, optimizer, raw_model=raw_model, cfg=cfg, device=device, **spec)
+
+
+def optimizer_over_dtensors(raw_model: nn.Module, optimizer_class, kwargs: dict, cfg: ZeroConfig):
+    """The baseline's optimizer rebuilt over the DTensor parameters (no fused SGD on DTensors: foreach then)."""
+    kwargs = dtensor_kwargs(optimizer_class, kwargs, cfg.optimizer_impl)
+    return keep_impl(optimizer_class(raw_model.parameters(), **kwargs))
 
 
 def compile_sharded(raw_model: nn.Module, cfg: ZeroConfig) -> None:
