@@ -538,3 +538,16 @@ def parse_config(config_cls=Config, argv: Optional[Sequence[str]] = None, *, pro
     check_bounds(cfg)
     cfg.validate()
     return cfg
+
+
+def config_from(config_cls=Config, **fields) -> Config:
+    """parse_config of the flags these fields spell (`batch_size=8` -> `--batch-size 8`, True/False ->
+    `--flag`/`--no-flag`, None left out): a validated config exactly as the command line would build it."""
+    argv: list = []
+    for key, value in fields.items():
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            argv.append(flag if value else "--no-" + key.replace("_", "-"))
+        elif value is not None:
+            argv += [flag, str(value)]
+    return parse_config(config_cls, argv)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from manual_train.config import Config, parse_config
+from manual_train.config import Config, config_from
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -20,14 +20,7 @@ def make_cfg(tmp_path: Path, config_cls=Config, **overrides) -> Config:
     """A validated config as the CLI would build it (progress bar off, outputs under tmp_path)."""
     overrides.setdefault("progress", False)
     overrides.setdefault("out_dir", str(tmp_path / "run"))
-    argv = []
-    for key, value in overrides.items():
-        flag = "--" + key.replace("_", "-")
-        if isinstance(value, bool):
-            argv.append(flag if value else "--no-" + key.replace("_", "-"))
-        elif value is not None:
-            argv += [flag, str(value)]
-    return parse_config(config_cls, argv)
+    return config_from(config_cls, **overrides)
 
 
 def max_param_diff(a: dict, b: dict) -> float:

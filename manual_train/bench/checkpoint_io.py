@@ -28,7 +28,7 @@ FLAGS = dict(model="mlp", dataset="synthetic", synthetic_classes=10, optimizer="
 
 
 def _rank_child(rank: int, world_size: int, ports: list, root: str, steps: int, every: int, shape: str, out) -> None:
-    from manual_train.config import parse_config
+    from manual_train.config import config_from
     from manual_train.loops import zero as zero_loop
 
     torch.set_num_threads(1)
@@ -36,15 +36,10 @@ def _rank_child(rank: int, world_size: int, ports: list, root: str, steps: int, 
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1")
     for (name, flags), port in zip(VARIANTS.items(), ports):
         os.environ["MASTER_PORT"] = str(port)
-        argv = {**FLAGS, **flags, "synthetic_shape": shape, "batch_size": 8, "synthetic_size": 8 * world_size * steps,
-                "max_steps": steps, "checkpoint_every_steps": every,
-                "out_dir": str(Path(root) / name.replace(", ", "-"))}
-        args = []
-        for key, value in argv.items():
-            flag = "--" + key.replace("_", "-")
-            args += ([flag] if value is True else [f"--no-{key.replace('_', '-')}"] if value is False
-                     else [flag, str(value)])
-        summary = zero_loop.train(parse_config(zero_loop.ZeroConfig, args))
+        cfg = config_from(zero_loop.ZeroConfig, **FLAGS, **flags, synthetic_shape=shape, batch_size=8,
+                          synthetic_size=8 * world_size * steps, max_steps=steps, checkpoint_every_steps=every,
+                          out_dir=str(Path(root) / name.replace(", ", "-")))
+        summary = zero_loop.train(cfg)
         if rank == 0:
             out[name] = summary["checkpoint_blocked_s_per_save"]
 
