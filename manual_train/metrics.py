@@ -82,6 +82,7 @@ class RunLog:
         self._csv = csv.DictWriter(self._file, fieldnames=CSV_COLUMNS)
         self._csv.writeheader()
         self._csv.writerows(kept)
+        self._rows = csv.writer(self._file)
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -95,8 +96,9 @@ class RunLog:
             samples_per_s: float, time_s: float) -> None:
         if not self.writes:
             return
-        self._csv.writerow(dict(step=step, epoch=epoch + 1, split=split, loss=f"{loss:.8g}", acc=f"{acc:.6g}",
-                                lr=f"{lr:.8g}", samples_per_s=f"{samples_per_s:.2f}", time_s=f"{time_s:.3f}"))
+        # a tuple in CSV_COLUMNS' order: DictWriter's dict and its key check cost ~15 us a row inside a training loop
+        self._rows.writerow((step, epoch + 1, split, f"{loss:.8g}", f"{acc:.6g}", f"{lr:.8g}", f"{samples_per_s:.2f}",
+                             f"{time_s:.3f}"))
         self._file.flush()
         if self.tb is not None:
             self.tb.add_scalar(f"{split}/loss", loss, step)
