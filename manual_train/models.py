@@ -299,9 +299,6 @@ def blocks_of(name: str, model: nn.Module) -> list:
     return [b for layer in (model.layer1, model.layer2, model.layer3, model.layer4) for b in layer]
 
 
-COMPILE_MODES = ("none", "model", "blocks")
-
-
 def compile_model(name: str, model: nn.Module, mode: str) -> nn.Module:
     """--compile (docs/levers.md): torch.compile the whole model's forward ("model") or each block's ("blocks").
 

@@ -27,6 +27,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from manual_train.config import COMPILE  # --compile's modes: none, model, blocks
+
 MIB = 2 ** 20
 IMPLS = ("for-loop", "foreach", "fused")
 
@@ -190,7 +192,6 @@ def levers(bench):
 
 
 # ---------------------------------------------------------------------- --compile (its own entry: compiling is slow)
-COMPILE_MODES = ("none", "model", "blocks")
 # issue 15 measured per-block compile of the tiny GPT at 1.55x eager's speed (whole-model 1.14x): a goal, not a test
 COMPILE_BLOCKS_GOAL = 1.55
 
@@ -220,7 +221,7 @@ def _compile_child(batch: int, steps: int, repeats: int) -> dict:
 
     torch._inductor.config.force_disable_caches = True
     measure, first_s = {}, {}
-    for mode in COMPILE_MODES:
+    for mode in COMPILE:
         cfg = parse_config(Config, ["--model", "gpt", "--dataset", "reverse", "--compile", mode, "--optimizer",
                                     "adamw", "--synthetic-size", str(4 * batch)])
         train_ds, _, info = data.build_datasets(cfg)
@@ -243,17 +244,17 @@ def compile_speed(bench):
     batch = 32
     raw = bench.child(_compile_child, batch=batch, steps=bench.pick(10, 40), repeats=bench.repeats(3, 5),
                       timeout_s=1200)
-    rate = {mode: [batch / t for t in raw["step_s"][mode]] for mode in COMPILE_MODES}
+    rate = {mode: [batch / t for t in raw["step_s"][mode]] for mode in COMPILE}
     what = f"steady samples/s, --model gpt --dataset reverse, batch {batch}"
     rows, notes = [], []
-    for mode in COMPILE_MODES[1:]:
+    for mode in COMPILE[1:]:
         rows.append(ratio_row(bench.entry, "eager", f"--compile {mode}", what, rate["none"], rate[mode],
                               goal=Goal(">=", COMPILE_BLOCKS_GOAL) if mode == "blocks" else None))
         steady = statistics.median(raw["step_s"][mode])
         rows.append(value_row(bench.entry, "-", f"--compile {mode}", "compile time: the first step's excess over a "
                               "steady step", [raw["first_step_s"][mode] - steady], unit="s"))
     notes.append("steady samples/s: " + ", ".join(f"{mode} {statistics.median(rate[mode]):.0f}"
-                                                   for mode in COMPILE_MODES))
+                                                   for mode in COMPILE))
     notes.append(f"Goal from issue 15: --compile blocks {COMPILE_BLOCKS_GOAL}x eager's samples/s (measured there on "
                  "this kind of machine; model 1.14x, reported without a goal).")
     return Outcome(rows, raw, notes)
