@@ -154,7 +154,7 @@ class Sharded:
         self.model = cast(wrapper)
         self.eval_model = cast(self._eval_module())
         self.full_model = FullState(self.model_state_dict, self.load_model_state_dict, raw_model,
-                                    sharded=(raw_model, optimizer) if isinstance(self, FSDP2Sharded) else None)
+                                    sharded=self._dtensor_state())
         self.full_optimizer = FullState(self.optimizer_state_dict, self.load_optimizer_state_dict)
 
     def __str__(self) -> str:
@@ -164,6 +164,11 @@ class Sharded:
     def _eval_module(self) -> nn.Module:
         """DDP's inner module, as the DDP loop evaluates (DDP's forward broadcasts buffers: a collective)."""
         return self.wrapper.module
+
+    def _dtensor_state(self) -> Optional[tuple]:
+        """(module, optimizer) when the parameters are DTensors, which --checkpoint-format dcp saves shard by shard
+        (FullState.sharded); None here: DDP's parameters are whole on every rank."""
+        return None
 
     # ------------------------------------------------------------------ the step
     def zero_grad(self) -> None:
@@ -221,6 +226,9 @@ class FSDP2Sharded(Sharded):
 
     def _eval_module(self) -> nn.Module:
         return self.wrapper  # its forward gathers the parameters (a collective: same_batch_count)
+
+    def _dtensor_state(self) -> tuple:
+        return self.raw_model, self.optimizer  # every parameter a DTensor shard (fully_shard)
 
     def no_sync(self, window_end: bool):
         """No context: gradients are reduce-scattered after every micro-batch and accumulate in the shards. K
