@@ -198,7 +198,7 @@ class Run:
         """A metrics.csv row and the progress bar; a NaN/inf loss stops the run (every rank alike: the numbers
         are all-reduced), keeping the last good checkpoint."""
         if not math.isfinite(loss):
-            raise TrainingDiverged.at(loss, step, log_steps, self.out_dir / ("last.dcp" if self.dcp else "last.pt"))
+            raise TrainingDiverged.at(loss, step, log_steps, self._checkpoint_path("last"))
         now = time.perf_counter()
         rate = (samples_seen - self.log_samples) / (now - self.t_log)
         self.log.row(step=step, epoch=epoch, split="train", loss=loss, acc=acc, lr=lr,
@@ -243,7 +243,7 @@ class Run:
             dist.all_gather_object(rng_per_rank, capture_rng())
         if self.dcp:
             model_state = optimizer_state = {}  # the shards go to DCP, every rank its own (_save_dcp)
-            rest, folder = self._save_dcp()
+            rest, folder = self._save_dcp(("last.dcp", "best.dcp") if self.improved else ("last.dcp",))
         else:
             model_state, optimizer_state = t["model"].state_dict(), t["optimizer"].state_dict()  # every rank (ZeRO)
         if self.env.master_process:
@@ -259,19 +259,17 @@ class Run:
                 save_checkpoint(checkpoint, self.out_dir / "last.pt")
                 if self.improved:
                     save_checkpoint(checkpoint, self.out_dir / "best.pt")
-        if self.dcp:
-            self.pending = (self.pending[0], folder, ("last.dcp", "best.dcp") if self.improved else ("last.dcp",))
-            if not self.async_save:
-                self._commit_dcp()
+        if self.dcp and not self.async_save:
+            self._commit_dcp()  # (async: the next save, or restore_best, waits for the write and links the folder)
         self.improved = False
         if self.distributed:
             dist.barrier()
         self.blocked_s.append(time.perf_counter() - t_save)  # the time the loop waited for this save
 
-    def _save_dcp(self) -> tuple[dict, Path]:
+    def _save_dcp(self, links: tuple) -> tuple[dict, Path]:
         """Every rank writes its shards of the tracked DTensor model and optimizer into a new folder .dcp-<pid>-<hex>
-        (dcp.save, or async_save: then only the copy to host memory blocks). The previous async save is finished
-        and linked first: one write in flight at a time."""
+        (dcp.save, or async_save: then only the copy to host memory blocks), which _commit_dcp names `links`. The
+        previous async save is finished and linked first: one write in flight at a time."""
         from manual_train.zero import save_sharded
 
         self._commit_dcp()
@@ -284,7 +282,7 @@ class Run:
         folder.mkdir(exist_ok=True)
         rest, future = save_sharded(*self.tracked["model"].sharded, folder,
                                     async_group=self.async_group if self.async_save else None)
-        self.pending = (future, folder, ())
+        self.pending = (future, folder, links)
         return rest, folder
 
     def _commit_dcp(self) -> None:
@@ -302,6 +300,10 @@ class Run:
                 link_atomically(self.out_dir / link, folder.name)
             remove_unlinked_dcp(self.out_dir)
         self.pending = None
+
+    def _checkpoint_path(self, name: str) -> Path:
+        """RUN/last.pt (best.pt), or with --checkpoint-format dcp the link RUN/last.dcp (best.dcp) to its folder."""
+        return self.out_dir / f"{name}.{'dcp' if self.dcp else 'pt'}"
 
     def _scaler_state(self) -> dict:
         return {"precision": self.cfg.precision, "scaler": self.tracked["scaler"].state_dict(),
@@ -331,7 +333,7 @@ class Run:
         self.progress.close()
         self.wall_s = time.perf_counter() - self.t_start
         self._commit_dcp()  # an async save still in flight
-        best = self.out_dir / ("best.dcp" if self.dcp else "best.pt")
+        best = self._checkpoint_path("best")
         exists = [best.exists()]
         if self.distributed:
             dist.broadcast_object_list(exists, src=0)
@@ -347,12 +349,12 @@ class Run:
 
     def finish(self, epoch: int, step: int, samples_seen: int, val_loss: float, val_acc: float, *,
                restored: bool = False, **extra) -> dict:
-        """summary.json and the closing line; returns the summary. After restore_best(), which stops the clock."""
+        """summary.json and the closing line; returns the summary. After restore_best(), which stops the clock and
+        links an async checkpoint still being written."""
         if self.profiler is not None:
             profiling.stop(self.profiler)  # a run that ended inside the window still writes what it recorded
         if self.stop_reason:
             extra.setdefault("stop_reason", self.stop_reason)
-        self._commit_dcp()
         if self.blocked_s:  # the time the loop waited per save (bench/checkpoint_io.py: sync vs async, pt vs dcp)
             extra.setdefault("checkpoint_blocked_s", statistics.mean(self.blocked_s))
             extra.setdefault("checkpoint_blocked_s_per_save", [round(s, 6) for s in self.blocked_s])
@@ -366,7 +368,7 @@ class Run:
             samples_this_run=samples_seen - self.samples_at_start, val_loss=val_loss, val_acc=val_acc,
             best=self.best, early=self.early, skipped_steps=self.skipped_steps, wall_s=self.wall_s,
             data_wait_s=self.data_wait_s, peak_mem_bytes=peak_mem_bytes(self.device),
-            checkpoint=self.out_dir / ("last.dcp" if self.dcp else "last.pt"), lr=self.lr, **extra)
+            checkpoint=self._checkpoint_path("last"), lr=self.lr, **extra)
         self.log.write_summary(summary)
         self.log.print(f"done: val_acc {val_acc:.4f} val_loss {val_loss:.4f} after {step} steps in "
                        f"{self.wall_s:.1f} s; " + (f"outputs in {self.out_dir}" if self.keep else "no outputs kept"))
