@@ -16,8 +16,8 @@ import tempfile
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
 
+from manual_train.bench.harness import spawn_ranks
 from manual_train.distributed import _free_port
 
 VARIANTS = {"pt, sync": dict(checkpoint_format="pt"), "dcp, sync": dict(checkpoint_format="dcp"),
@@ -56,10 +56,7 @@ def blocked_rows(world_size: int = 2, steps: int = 8, every: int = 2, shape: str
             finally:
                 torch.set_num_threads(threads)
         else:
-            with mp.Manager() as manager:
-                shared = manager.dict()
-                mp.spawn(_rank_child, args=(world_size, ports, root, steps, every, shape, shared), nprocs=world_size)
-                out = dict(shared)
+            out = spawn_ranks(_rank_child, world_size, world_size, ports, root, steps, every, shape)
         return [dict(variant=name, world_size=world_size, blocked_s=list(out[name])) for name in VARIANTS]
 
 

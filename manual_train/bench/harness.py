@@ -239,6 +239,17 @@ def fresh_process(fn: Callable, kwargs: dict, *, log_path: Path, timeout_s: floa
     return payload
 
 
+def spawn_ranks(fn: Callable, nprocs: int, *args) -> dict:
+    """fn(rank, *args, out) in nprocs processes (torch.multiprocessing.spawn), the distributed entries' ranks: each
+    puts its results into `out`, a Manager's dict shared by all of them; returns what they put there."""
+    import torch.multiprocessing as mp
+
+    with mp.Manager() as manager:
+        shared = manager.dict()
+        mp.spawn(fn, args=(*args, shared), nprocs=nprocs)
+        return dict(shared)
+
+
 def _child_main(conn, fn: Callable, kwargs: dict, log_path: str, threads: Optional[int], start_method: str) -> None:
     # Everything the measured code prints goes to the entry's log, not over the progress bar.
     log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)

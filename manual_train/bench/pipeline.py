@@ -16,8 +16,8 @@ from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from manual_train.bench.harness import spawn_ranks
 from manual_train.distributed import DistEnv, _free_port
 
 BATCH = 256
@@ -64,11 +64,9 @@ def _stage_child(rank: int, stages: int, microbatches: tuple, steps: int, port: 
 
 def bubble_rows(stages: int = 2, microbatches: tuple = (1, 2, 4, 8), steps: int = 5) -> list[dict]:
     """One row per m: each stage's measured idle fraction and the formula's (p-1)/(m+p-1)."""
-    with mp.Manager() as manager:
-        out = manager.dict()
-        os.environ.setdefault("OMP_NUM_THREADS", "1")
-        mp.spawn(_stage_child, args=(stages, tuple(microbatches), steps, _free_port(), out), nprocs=stages)
-        per_stage = [out[r] for r in range(stages)]
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    out = spawn_ranks(_stage_child, stages, stages, tuple(microbatches), steps, _free_port())
+    per_stage = [out[r] for r in range(stages)]
     return [dict(stages=stages, microbatches=m, formula=(stages - 1) / (m + stages - 1),
                  idle_fraction_per_stage=[round(per_stage[r][i], 3) for r in range(stages)])
             for i, m in enumerate(microbatches)]

@@ -18,9 +18,9 @@ import os
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from manual_train.bench.harness import spawn_ranks
 from manual_train.bench.zero_memory import per_rank_bytes
 
 # the parameters TP splits; the rest (row-wise biases too) is whole
@@ -124,10 +124,8 @@ def measure(shapes=((1, 2, False), (1, 2, True), (2, 2, False)), batch: int = 16
 
     rows = []
     for dp, tp, sp in shapes:
-        with mp.Manager() as manager:
-            out = manager.dict()
-            mp.spawn(_child, args=((dp, tp, sp), _free_port(), batch, out), nprocs=dp * tp)
-            ranks = [out[r] for r in range(dp * tp)]
+        out = spawn_ranks(_child, dp * tp, (dp, tp, sp), _free_port(), batch)
+        ranks = [out[r] for r in range(dp * tp)]
         rows.append(dict(dp=dp, tp=tp, sequence_parallel=sp, held_per_rank=[r["held"] for r in ranks],
                          held_formula=ranks[0]["held_formula"], comm_per_rank=[r["comm_total"] for r in ranks],
                          comm_by_kind=ranks[0]["comm"], comm_formula=ranks[0]["comm_formula"]))
