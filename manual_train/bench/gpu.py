@@ -97,6 +97,30 @@ def build_bench_model(name: str, size: str = "quick", image_side: int = 224):
     return model, make_batch
 
 
+def seeded_bench_model(name: str, batch_size: int, device, size="quick", image_side: int = 224):
+    """build_bench_model after torch.manual_seed(0), so every variant of an entry starts from the same weights and
+    batch: (the model on `device`, x, y)."""
+    import torch
+
+    torch.manual_seed(0)
+    model, make_batch = build_bench_model(name, size, image_side)
+    x, y = make_batch(batch_size, device)
+    return model.to(device), x, y
+
+
+def timed_warmup(step, warmup: int, device) -> float:
+    """Seconds that `warmup` calls of step() take until the device has run them: where torch.compile traces and
+    compiles, reduce-overhead records its CUDA graphs and cudnn.benchmark tries every algorithm."""
+    import torch
+
+    t0 = time.perf_counter()
+    for _ in range(warmup):
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
 def make_step(model, precision: str, device, x, y, lr: float = 0.01):
     """One training step as the loops take it: torch.amp inline (loops/single.py), or apex's O2 written out
     (loops/apex_o2.py) for 16-o2.
@@ -173,10 +197,7 @@ def _precision_child(model_name: str, layouts: tuple, precisions: tuple, batch_s
             if cuda:
                 torch.cuda.synchronize()
                 before = torch.cuda.memory_allocated(device)
-            torch.manual_seed(0)
-            model, make_batch = build_bench_model(model_name, size, image_side)
-            x, y = make_batch(batch_size, device)
-            model.to(device)
+            model, x, y = seeded_bench_model(model_name, batch_size, device, size, image_side)
             if layout == "channels_last":
                 # NHWC: cuDNN's tensor-core convolutions read this layout without transposing it first
                 model.to(memory_format=torch.channels_last)
@@ -446,17 +467,10 @@ def _cudnn_child(benchmark: bool, model_name: str, batch_size: int, precision: s
     device = torch.device(device)
     torch.backends.cudnn.benchmark = benchmark
     set_tf32(False)
-    torch.manual_seed(0)
-    model, make_batch = build_bench_model(model_name, image_side=image_side)
-    x, y = make_batch(batch_size, device)
-    model.to(device).to(memory_format=torch.channels_last)
+    model, x, y = seeded_bench_model(model_name, batch_size, device, image_side=image_side)
+    model.to(memory_format=torch.channels_last)
     step, _ = make_step(model, precision, device, x.contiguous(memory_format=torch.channels_last), y)
-    t0 = time.perf_counter()
-    for _ in range(warmup):  # benchmark=True: the first step of each new shape tries every algorithm
-        step()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    warmup_s = time.perf_counter() - t0
+    warmup_s = timed_warmup(step, warmup, device)  # benchmark=True: a new shape's first step tries every algorithm
     return {"step_s": [seconds_per_step(step, steps, device) for _ in range(rounds)], "warmup_s": warmup_s}
 
 
@@ -576,10 +590,7 @@ def _gpt_child(size, batch_size: int, warmup: int, steps: int, rounds: int, comp
     peak = matmul_peak_flops(device, n=peak_n, warmup_s=peak_warmup_s)
     variants, result = {}, {"peak_flops_per_s": peak["flops_per_s"], "peak": peak, "compile_s": None}
     for name in ("eager", "compiled") if compile_model else ("eager",):
-        torch.manual_seed(0)
-        model, make_batch = build_bench_model("gpt", size)
-        model.to(device)
-        x, y = make_batch(batch_size, device)
+        model, x, y = seeded_bench_model("gpt", batch_size, device, size)
         if name == "eager":
             amp_autocast = functools.partial(torch.autocast, device.type, dtype=torch.bfloat16)
             result["flops_counted"] = count_step_flops(model, x, y, amp_autocast)
@@ -587,13 +598,9 @@ def _gpt_child(size, batch_size: int, warmup: int, steps: int, rounds: int, comp
         else:
             model = torch.compile(model)
         step, _ = make_step(model, "bf16-mixed", device, x, y)
-        t0 = time.perf_counter()
-        for _ in range(warmup):  # compiled: the first call traces and compiles forward and backward
-            step()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        warmup_s = timed_warmup(step, warmup, device)  # compiled: the first call traces and compiles fwd and bwd
         if name == "compiled":
-            result["compile_s"] = time.perf_counter() - t0
+            result["compile_s"] = warmup_s
         variants[name] = functools.partial(seconds_per_step, step, steps, device)
     result["step_s"] = interleave_blocks(variants, rounds)
     return result
@@ -661,21 +668,13 @@ def _cuda_graphs_child(size, batch_size: int, warmup: int, steps: int, rounds: i
     device = torch.device(device)
     variants, warmup_s = {}, {}
     for mode in COMPILE_MODES if device.type == "cuda" else COMPILE_MODES[:1]:
-        torch.manual_seed(0)
-        model, make_batch = build_bench_model("gpt", size)
-        model.to(device)
-        x, y = make_batch(batch_size, device)
+        model, x, y = seeded_bench_model("gpt", batch_size, device, size)
         if mode != "eager":
             model = torch.compile(model, mode=None if mode == "default" else mode)
         step, _ = make_step(model, "bf16-mixed", device, x, y)
         if mode == "reduce-overhead":
             step = functools.partial(_step_marked, step)
-        t0 = time.perf_counter()
-        for _ in range(warmup):  # compiled: traces and compiles; reduce-overhead also records its graphs here
-            step()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        warmup_s[mode] = time.perf_counter() - t0
+        warmup_s[mode] = timed_warmup(step, warmup, device)  # compiles; reduce-overhead also records its graphs
         variants[mode] = functools.partial(seconds_per_step, step, steps, device)
     return {"step_s": interleave_blocks(variants, rounds), "warmup_s": warmup_s}
 
@@ -715,10 +714,7 @@ def _tf32_child(size, batch_size: int, steps: int, rounds: int, device: str = "c
     import torch
 
     device = torch.device(device)
-    torch.manual_seed(0)
-    model, make_batch = build_bench_model("gpt", size)
-    model.to(device)
-    x, y = make_batch(batch_size, device)
+    model, x, y = seeded_bench_model("gpt", batch_size, device, size)
     start = {k: v.clone() for k, v in model.state_dict().items()}
     logits, weights, variants = {}, {}, {}
     try:
