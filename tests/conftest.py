@@ -104,6 +104,15 @@ def load_model_state(run_dir: Path, name: str = "last.pt") -> dict:
     return torch.load(Path(run_dir) / name, map_location="cpu", weights_only=True)["model"]
 
 
+def final_weights(run_dir: Path) -> dict:
+    """The run's last checkpoint's model, whole: last.pt, or a --checkpoint-format dcp run's last.dcp folder (read in
+    this process)."""
+    from manual_train import checkpoint
+
+    path = run_dir / "last.dcp" if (run_dir / "last.dcp").exists() else run_dir / "last.pt"
+    return checkpoint.load_checkpoint(path)["model"]
+
+
 # How long one launch script (or torchrun job) may take before the test fails. The jobs here take 5-60 s on 2
 # quiet cores; CI's machine may be loaded (load ~6 on 2 cores makes them 3-5x slower), so the limit is generous:
 # it is there to end a hung job, not to measure one.

@@ -23,10 +23,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import (PARITY_TOL_64, as_torchrun_rank, assert_within_fp32_floor, fp32_noise_floor, load_model_state,
-                      make_cfg, max_param_diff, run_ok, torchrun)
+from conftest import (PARITY_TOL_64, as_torchrun_rank, assert_within_fp32_floor, final_weights, fp32_noise_floor,
+                      load_model_state, make_cfg, max_param_diff, run_ok, torchrun)
 from jobs import run_job
-from manual_train import checkpoint, models, tensor_parallelism
+from manual_train import models, tensor_parallelism
 from manual_train.config import Config, UsageError
 from manual_train.loops import single, tensor_parallel
 
@@ -96,12 +96,6 @@ def job4(root):
 @pytest.fixture(scope="module")
 def job2(root, job4):  # after job4: dcp_mid_at2 resumes its checkpoint
     return root / "job2", run_job(_scenario, 2, root / "job2", [*SCENARIOS2, "resume", "dcp_mid_at2"], PRELOAD)
-
-
-def final_weights(run_dir: Path) -> dict:
-    """The run's last checkpoint's model, whole (a dcp folder read in this process)."""
-    path = run_dir / "last.dcp" if (run_dir / "last.dcp").exists() else run_dir / "last.pt"
-    return checkpoint.load_checkpoint(path)["model"]
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from conftest import PARITY_TOL_64, assert_within_fp32_floor, fp32_noise_floor, make_cfg, max_param_diff
+from conftest import (PARITY_TOL_64, assert_within_fp32_floor, final_weights, fp32_noise_floor, make_cfg,
+                      max_param_diff)
 from jobs import run_job
 
 from manual_train import checkpoint
@@ -93,12 +94,6 @@ def jobs(tmp_path_factory):
     run_job(_scenario, 4, root / "job4", SAVED, PRELOAD)
     results = run_job(_scenario, 2, root / "job2", [*RESUMED, "dropout_ref", "dropout_boundary", "async"], PRELOAD)
     return root, results
-
-
-def final_weights(run_dir: Path) -> dict:
-    """The run's last checkpoint's model, whole (a dcp folder read in this process)."""
-    path = run_dir / "last.dcp" if (run_dir / "last.dcp").exists() else run_dir / "last.pt"
-    return checkpoint.load_checkpoint(path)["model"]
 
 
 def _single(tmp_path: Path, name: str, **flags) -> dict:
