@@ -8,7 +8,7 @@ import pickle
 
 import pytest
 import torch
-from conftest import make_cfg, run_script
+from conftest import assert_same_path_bitwise, make_cfg, run_script
 
 from manual_train import checkpoint as ckpt_mod
 from manual_train import models
@@ -67,7 +67,7 @@ def test_interrupted_then_resumed_equals_uninterrupted_bitwise(tmp_path, monkeyp
 
     a = torch.load(tmp_path / "A" / "last.pt", weights_only=True)
     c = torch.load(tmp_path / "B" / "last.pt", weights_only=True)
-    assert all(torch.equal(a["model"][k], c["model"][k]) for k in a["model"])  # bitwise
+    assert_same_path_bitwise(a["model"], c["model"], "crashed + resumed vs uninterrupted")
     assert {v.dtype for v in c["model"].values()} == {torch.float64 if precision == "64-true" else torch.float32}
     assert all(torch.equal(a["optimizer"]["state"][i]["momentum_buffer"], c["optimizer"]["state"][i]["momentum_buffer"])
                for i in a["optimizer"]["state"])

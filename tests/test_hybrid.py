@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from conftest import (PARITY_TOL_64, SEQ, as_torchrun_rank, assert_within_fp32_floor, cuda_devices, fp32_noise_floor,
+from conftest import (assert_same_path_bitwise, PARITY_TOL_64, SEQ, as_torchrun_rank, assert_within_fp32_floor, cuda_devices, fp32_noise_floor,
                       load_model_state, make_cfg, max_param_diff, run_script, torchrun, train_state)
 from test_mp import SEQ_FP32, SEQ_PARITY
 from manual_train import parallel
@@ -145,7 +145,7 @@ def test_resume_continues_exactly(tmp_path):
     hybrid.train(make_cfg(tmp_path / "b", hybrid.HybridConfig, **dict(common, max_steps=3)))
     summary = hybrid.train(make_cfg(tmp_path / "b", hybrid.HybridConfig, resume="auto", **dict(common, max_steps=6)))
     assert summary["optimizer_steps"] == 6
-    assert max_param_diff(straight, load_model_state(tmp_path / "b" / "run")) == 0.0
+    assert_same_path_bitwise(straight, load_model_state(tmp_path / "b" / "run"), "resumed vs 6 steps straight")
 
 
 # ---------------------------------------------------------------------- ddp-mp under torchrun

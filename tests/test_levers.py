@@ -1,11 +1,12 @@
 """Speed and memory levers (docs/levers.md): --optimizer-impl and --activation-checkpointing.
 
-  optimizer impls ........ SGD (momentum, weight decay) bitwise equal across for-loop/foreach/fused; AdamW within
-                           1e-6 of for-loop after 10 fp32 steps (measured: fused 1.5e-8, foreach 0); the default is
+  optimizer impls ........ SGD (momentum, weight decay) and AdamW: foreach and fused within 1e-9 of for-loop after
+                           10 float64 steps, and within 1e-6 after 10 fp32 steps (measured: SGD 0, AdamW fused
+                           1.5e-8, foreach 0: other kernels, so not bitwise on every CPU); the default is
                            fused on the CPU; a resumed optimizer keeps the impl it was built with (the checkpoint's
                            param_groups would otherwise switch it); fused SGD on DTensors falls back / is refused;
-                           single.py end to end: SGD bitwise, AdamW (64-true) within 1e-9
-  checkpointing .......... gradients bitwise equal to none for full and selective on gpt and resnet18, and
+                           single.py end to end: SGD and AdamW (64-true) within 1e-9
+  checkpointing .......... float64 gradients within 1e-9 of none for full and selective on gpt and resnet18, and
                            resnet18's BatchNorm running statistics updated once; fewer peak live tensor bytes on gpt;
                            refused in one line for models without blocks; a real single.py run with it
   ddp and zero ........... the DDP loop and ZeRO's FSDP2 (groups of one) with checkpointing + foreach: single.py's
@@ -21,9 +22,9 @@ from manual_train.config import Config, parse_config
 from manual_train.errors import UsageError
 from manual_train.models import DataInfo, build_model, loss_fn
 from manual_train.optim import build_optimizer, dtensor_kwargs
-from conftest import load_model_state, make_cfg, max_param_diff
+from conftest import PARITY_TOL_64, assert_cross_path_64, load_model_state, make_cfg, max_param_diff
 
-ADAMW_BOUND = 1e-6  # max abs weight difference, fused/foreach vs for-loop, 10 fp32 steps at lr 0.01 (measured 1.5e-8)
+FP32_BOUND = 1e-6  # max abs weight difference, fused/foreach vs for-loop, 10 fp32 steps at lr 0.01 (measured 1.5e-8)
 
 
 def _cfg(*argv):
@@ -31,10 +32,12 @@ def _cfg(*argv):
 
 
 @pytest.mark.parametrize("impl", ["foreach", "fused"])
-def test_sgd_is_bitwise_and_adamw_within_bound(impl):
-    assert optimizer_deviation("sgd", impl) == 0.0
-    assert optimizer_deviation("sgd", impl, dtype=torch.float64) == 0.0
-    assert optimizer_deviation("adamw", impl) <= ADAMW_BOUND
+@pytest.mark.parametrize("name", ["sgd", "adamw"])
+def test_each_impl_computes_the_for_loops_update(name, impl):
+    """Other kernels (one per tensor, one per list, one fused): the same update in float64 within 1e-9; in fp32
+    within a per-step rounding bound (equal bit for bit on one CPU, not on every CPU: the rule in conftest)."""
+    assert optimizer_deviation(name, impl, dtype=torch.float64) <= PARITY_TOL_64
+    assert optimizer_deviation(name, impl) <= FP32_BOUND
 
 
 def test_default_impl_is_fused_on_cpu_and_explicit_choices_are_kept():
@@ -67,6 +70,7 @@ def test_fused_sgd_on_dtensors_falls_back_by_default_and_is_refused_when_asked()
 
 
 def _grads(name: str, mode: str):
+    """One float64 backward (a recompute is another code path: 64-true, not fp32 bits, is what holds on any CPU)."""
     torch.manual_seed(0)
     if name == "gpt":
         info = DataInfo("reverse", (16,), 11, predict=8)
@@ -74,19 +78,20 @@ def _grads(name: str, mode: str):
     else:
         info = DataInfo("synthetic", (3, 8, 8), 10)
         x, y = torch.randn(4, 3, 8, 8), torch.randint(0, 10, (4,))
-    model = build_model(name, info, activation_checkpointing=mode)
-    loss_fn(model(x), y).backward()
+    model = build_model(name, info, activation_checkpointing=mode).double()
+    loss_fn(model(x.double() if x.is_floating_point() else x), y).backward()
     return {k: p.grad for k, p in model.named_parameters()}, {k: b.clone() for k, b in model.named_buffers()}
 
 
 @pytest.mark.parametrize("name", ["gpt", "resnet18"])
-def test_checkpointing_gradients_and_buffers_are_bitwise_equal(name):
+def test_checkpointing_gradients_and_buffers_equal_none(name):
     ref_grads, ref_buffers = _grads(name, "none")
     for mode in ("full", "selective"):
         grads, buffers = _grads(name, mode)
         assert grads.keys() == ref_grads.keys()  # the same parameter names: checkpoints load either way
-        assert all(torch.equal(grads[k], ref_grads[k]) for k in grads), mode
-        assert all(torch.equal(buffers[k], ref_buffers[k]) for k in buffers), mode  # BatchNorm updated once
+        assert_cross_path_64(grads, ref_grads, f"{name} {mode}: gradients")
+        if buffers:  # resnet18's BatchNorm statistics, updated once (not again in the recompute)
+            assert_cross_path_64(buffers, ref_buffers, f"{name} {mode}: buffers")
 
 
 def test_checkpointing_lowers_the_gpt_peak_and_the_counter_sees_frees():
@@ -108,10 +113,10 @@ def test_checkpointing_is_refused_for_models_without_blocks(tmp_path):
         build_model("mlp", DataInfo("digits", (1, 8, 8), 10), activation_checkpointing="full")
 
 
-@pytest.mark.parametrize("optimizer,precision,bound", [("sgd", "32-true", 0.0), ("adamw", "64-true", 1e-9)])
-def test_single_trains_gpt_the_same_with_checkpointing_and_any_optimizer_impl(optimizer, precision, bound, tmp_path):
-    """The loop, end to end, 3 steps: selective checkpointing + the for-loop kernel vs plain fused. SGD: bitwise
-    in fp32. AdamW: the parity mode (float64) within 1e-9 (measured 9.9e-12). In fp32 AdamW's trajectories part
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_single_trains_gpt_the_same_with_checkpointing_and_any_optimizer_impl(optimizer, tmp_path):
+    """The loop, end to end, 3 steps: selective checkpointing + the for-loop kernel vs plain fused, in the parity
+    mode (float64) within 1e-9 (measured: SGD 0, AdamW 9.9e-12). In fp32 AdamW's trajectories part
     at once (6.8e-3 after 3 steps at lr 0.05, docs/levers.md): a gradient entry near zero whose sign a rounding
     difference flips moves its weight by +lr or -lr, so only the per-step bound above holds there."""
     from manual_train.loops import single
@@ -120,10 +125,10 @@ def test_single_trains_gpt_the_same_with_checkpointing_and_any_optimizer_impl(op
     for name, extra in (("plain", {}), ("levers", dict(activation_checkpointing="selective",
                                                        optimizer_impl="for-loop"))):
         cfg = make_cfg(tmp_path / name, model="gpt", dataset="reverse", synthetic_size=64, batch_size=16,
-                       max_steps=3, optimizer=optimizer, precision=precision, **extra)
+                       max_steps=3, optimizer=optimizer, precision="64-true", **extra)
         single.train(cfg)
         states[name] = load_model_state(tmp_path / name / "run")
-    assert max_param_diff(states["plain"], states["levers"]) <= bound
+    assert_cross_path_64(states["plain"], states["levers"], f"{optimizer}: selective + for-loop vs plain fused")
 
 
 @pytest.mark.parametrize("loop", ["ddp", "zero"])

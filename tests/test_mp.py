@@ -19,7 +19,7 @@ import json
 import pytest
 import torch
 
-from conftest import (FP32_MODEL, PARITY_TOL_64, SEQ, assert_within_fp32_floor, cuda_devices, fp32_noise_floor,
+from conftest import (assert_same_path_bitwise, FP32_MODEL, PARITY_TOL_64, SEQ, assert_within_fp32_floor, cuda_devices, fp32_noise_floor,
                       load_model_state, make_cfg, max_param_diff, run_script, train_state)
 from manual_train import parallel
 from manual_train.cli import run as cli_run
@@ -173,7 +173,7 @@ def test_resume_continues_exactly(tmp_path):
     summary = model_parallel.train(make_cfg(tmp_path / "b", model_parallel.MPConfig, resume="auto",
                                             **dict(common, max_steps=6)))
     assert summary["optimizer_steps"] == 6
-    assert max_param_diff(straight, load_model_state(tmp_path / "b" / "run")) == 0.0
+    assert_same_path_bitwise(straight, load_model_state(tmp_path / "b" / "run"), "resumed vs 6 steps straight")
 
 
 # ---------------------------------------------------------------------- bad input

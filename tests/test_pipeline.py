@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import (PARITY_TOL_64, assert_within_fp32_floor, fp32_noise_floor, load_model_state, make_cfg,
+from conftest import (assert_same_path_bitwise, PARITY_TOL_64, assert_within_fp32_floor, fp32_noise_floor, load_model_state, make_cfg,
                       max_param_diff, run_script, train_state)
 from jobs import run_job
 from manual_train import pipelining
@@ -126,9 +126,8 @@ def test_fp32_two_stages_within_the_noise_floor_and_equal_weights_are_not(job2, 
 def test_a_two_stage_run_resumed_mid_epoch_ends_as_the_unbroken_one(job2):
     out, results = job2
     assert all(r["resume"]["error"] is None for r in results), results[0]["resume"]["error"]
-    diff = max_param_diff(load_model_state(out / "resume" / "a" / "run"), load_model_state(out / "resume" / "full" /
-                                                                                            "run"))
-    assert diff == 0.0, diff
+    assert_same_path_bitwise(load_model_state(out / "resume" / "a" / "run"),
+                             load_model_state(out / "resume" / "full" / "run"), "2 stages resumed vs unbroken")
 
 
 def test_one_stage_resumed_mid_epoch_ends_as_the_unbroken_run(tmp_path, lone_process):
@@ -139,7 +138,8 @@ def test_one_stage_resumed_mid_epoch_ends_as_the_unbroken_run(tmp_path, lone_pro
     pipeline.train(make_cfg(tmp_path / "a", pipeline.PipelineConfig, resume="auto", **flags))
     ckpt = torch.load(tmp_path / "a" / "run" / "last.pt", weights_only=True)
     assert len(ckpt["optimizer"]["pipeline_stages"]) == 1 and ckpt["step"] == 4
-    assert max_param_diff(load_model_state(tmp_path / "a" / "run"), load_model_state(tmp_path / "full" / "run")) == 0
+    assert_same_path_bitwise(load_model_state(tmp_path / "a" / "run"), load_model_state(tmp_path / "full" / "run"),
+                             "1 stage resumed vs unbroken")
 
 
 def test_one_stage_in_micro_batches_is_the_baseline(tmp_path):

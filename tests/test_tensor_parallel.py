@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import (PARITY_TOL_64, as_torchrun_rank, assert_within_fp32_floor, final_weights, fp32_noise_floor,
+from conftest import (assert_same_path_bitwise, PARITY_TOL_64, as_torchrun_rank, assert_within_fp32_floor, final_weights, fp32_noise_floor,
                       load_model_state, make_cfg, max_param_diff, run_ok, torchrun)
 from jobs import run_job
 from manual_train import models, tensor_parallelism
@@ -160,8 +160,8 @@ def test_an_unsharded_layer_is_the_dtensor_trap(impl, tmp_path, lone_process, mo
 
 def test_a_tp2_run_resumed_mid_epoch_ends_as_the_unbroken_one(job2):
     out, _ = job2
-    diff = max_param_diff(load_model_state(out / "resume" / "run"), load_model_state(out / "tp2" / "run"))
-    assert diff == 0.0, diff
+    assert_same_path_bitwise(load_model_state(out / "resume" / "run"), load_model_state(out / "tp2" / "run"),
+                             "TP 2 resumed vs unbroken")
 
 
 def test_dcp_saved_at_4_mid_epoch_resumed_at_2_ends_as_the_uninterrupted_run(job2, baseline):

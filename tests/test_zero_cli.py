@@ -3,7 +3,7 @@ group: the paper's formulas and the storage accounting (manual_train/bench/zero_
 equal-batch evaluation (manual_train/zero.py).
 
 One real subprocess (`python launch/zero.py --impl fairscale --stage 3`: exit status 2, one line, on this CPU) and
-one in-process group of one (`python launch/zero.py` at world size 1 equals the DDP loop bit for bit).
+one in-process group of one (`python launch/zero.py` at world size 1 equals the DDP loop within 1e-9 in 64-true).
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO, load_model_state, make_cfg, max_param_diff, run_script
+from conftest import REPO, assert_cross_path_64, load_model_state, make_cfg, run_script
 
 from manual_train.bench.zero_memory import storage_bytes, zero_formula_bytes
 from manual_train.cli import run
@@ -172,14 +172,16 @@ def test_why_fairscale_is_refused_on_the_cpu(lone_process, recwarn):
 
 # ---------------------------------------------------------------------- a group of one
 def test_plain_python_is_a_group_of_one_equal_to_the_ddp_loop(tmp_path, lone_process):
-    """The defaults (--impl torch --stage 2: FSDP2) at world size 1: the DDP loop's weights, bit for bit."""
-    flags = dict(max_steps=10, batch_size=32, log_every=5)
+    """The defaults (--impl torch --stage 2: FSDP2) at world size 1: the DDP loop's weights within 1e-9 in 64-true.
+    Not fp32 bit for bit: FSDP2's parameters are views into its all-gather buffer and DDP's are not, and the
+    kernels picked for other layouts round differently on other CPUs (2^-27 apart with AVX2 kernels)."""
+    flags = dict(max_steps=10, batch_size=32, log_every=5, precision="64-true")
     summary = zero_loop.train(make_cfg(tmp_path / "zero", zero_loop.ZeroConfig, **flags))
     ddp.train(make_cfg(tmp_path / "ddp", ddp.DDPConfig, **flags))
     assert not torch.distributed.is_initialized(), "the group was left (destroy_process_group)"
     assert summary["world_size"] == 1 and summary["script"] == "zero" and summary["zero_stage"] == 2
-    assert max_param_diff(load_model_state(tmp_path / "zero" / "run"),
-                          load_model_state(tmp_path / "ddp" / "run")) == 0.0
+    assert_cross_path_64(load_model_state(tmp_path / "zero" / "run"), load_model_state(tmp_path / "ddp" / "run"),
+                         "FSDP2 (group of one) vs the DDP loop")
 
 
 def test_launch_zero_mirrors_launch_ddp():
