@@ -10,8 +10,9 @@ tensors asked for the GIL there: Python ends such a thread with pthread_exit, wh
 destructor (ProcessGroupGloo::AsyncWork), and C++ called std::terminate. `import_group_defaults` (at set-up) and
 `teardown` now free the group in teardown, where gloo joins its threads.
 
-Two checks: the cause, deterministically (no gloo thread survives teardown, for every loop that makes a group),
-and the symptom (short jobs under CPU load exit 0 every time; this one needs repeats, so it is slow).
+Two checks: the cause, deterministically (no gloo thread survives teardown, for every loop that makes a group; in
+`make test`), and the symptom (short jobs under CPU load exit 0 every time; it needs repeats, so it runs in
+`make stress`).
 """
 from __future__ import annotations
 
@@ -100,7 +101,7 @@ JOBS = [("ddp", ())] * 10 + [("zero", ("--impl", "torch", "--stage", "2"))] * 3 
 CONCURRENT_JOBS = 2  # two jobs at a time: each loads the machine for the other, and the 16 fit in ~2 min
 
 
-@pytest.mark.slow
+@pytest.mark.stress  # `make stress`: 16 torchrun jobs beside 4 CPU burners, 2-6 minutes on 2 cores
 def test_a_finished_job_exits_0_every_time_under_cpu_load(cpu_load, tmp_path):
     """The issue's symptom: every run must exit 0. A race, so this test can pass on broken code: before the fix,
     one job at a time with 4 burners aborted after `done:` in about 1 run in 10 (5 of 54), and this test's setting
