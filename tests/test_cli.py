@@ -4,6 +4,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -110,10 +111,38 @@ def test_bad_input_through_the_real_script(tmp_path):
     assert "--download" in proc.stderr and "Traceback" not in proc.stderr
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root can write anywhere")
-def test_unwritable_out_dir(tmp_path, capsys):
-    ro = tmp_path / "ro"
-    ro.mkdir(mode=0o500)
-    code = run(single.train, script="single", argv=["--out-dir", str(ro / "run")])
-    assert code == 2 and "--out-dir" in capsys.readouterr().err
+def _refused(cfg):
+    raise AssertionError(f"an unwritable --out-dir reached training: {cfg.out_dir}")
 
+
+def _unwritable_dirs(tmp_path):
+    """Existing folders in which no folder can be made. /proc and /sys (Linux) refuse everyone, root included
+    (where os.access says root may write: the check tries instead), so the case runs as root too, as in CI; a folder
+    without write permission refuses everyone but root, so it is added for a non-root user."""
+    dirs = [Path(d) for d in ("/proc", "/sys") if os.path.isdir(d)]
+    assert dirs or os.geteuid() != 0, "no folder here refuses root: nothing to check the refusal with"
+    if os.geteuid() != 0:
+        ro = tmp_path / "ro"
+        ro.mkdir(mode=0o500)
+        dirs.append(ro)
+    return dirs
+
+
+def test_unwritable_out_dir(tmp_path, capsys, monkeypatch):
+    """An out dir that cannot be created is one line naming it, exit 2, before any work, and nothing is made."""
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    for parent in _unwritable_dirs(tmp_path):
+        out = parent / "manual-train-run"
+        code = run(_refused, script="single", doc=single.__doc__, argv=["--out-dir", str(out)])
+        err = capsys.readouterr().err
+        assert code == 2, (parent, err)
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and "Traceback" not in err, err
+        assert lines[0].startswith(f"error: --out-dir: {parent} is not writable: cannot create a folder in it ("), \
+            lines[0]
+        assert not out.exists()
+        if parent.is_relative_to(tmp_path):
+            assert list(parent.iterdir()) == []
+    assert list(cwd.iterdir()) == [], "nothing written in the working folder (no default runs/)"

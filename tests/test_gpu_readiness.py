@@ -266,10 +266,12 @@ def test_gpu_check_reports_a_time_out_and_what_had_finished(tmp_path):
                                            "1 skipped (no summary line)")
 
 
-def test_gpu_check_says_when_nothing_ran(tmp_path):
+def test_gpu_check_fails_when_nothing_was_selected(tmp_path):
+    """A GPU check that checked nothing is not a pass (it exited 0 here before)."""
     proc = _summarize(tmp_path, "========== 620 deselected in 3.1s ==========\n", 5)
-    assert proc.returncode == 0
-    assert proc.stdout.splitlines() == ["tests: none selected (no GPU-marked tests apply)"]
+    assert proc.returncode == 1
+    assert proc.stdout.splitlines() == [
+        "tests: NONE SELECTED: pytest -m gpu selected no GPU-marked test (pytest exit 5): nothing was checked"]
 
 
 # ---------------------------------------------------------------------- the torch versions claimed

@@ -38,6 +38,10 @@ CHECK_TIMEOUT_S = 300  # the in-process check below: five groups of one in one i
 CPU_BURNERS = 4  # with two jobs (two ranks and torchrun's agent each): load ~10 on this 2-core machine; with
 # fewer, the abort was rarer still (unfixed code: 0 in 48 runs with one burner)
 
+# Every loop that makes a process group, fairscale's ZeRO included (setup.cfg's test extras install it): each must
+# report, so a missing one fails the check instead of shrinking it.
+CHECK_JOBS = ["ddp", "zero-torch-1", "zero-torch-2", "hybrid-ddp-mp", "zero-fairscale-1"]
+
 # A worker that runs each loop in turn as a group of one (plain python, no torchrun) in one interpreter, and
 # after each teardown lists the threads gloo started (Linux names them; /proc lists a process's threads).
 CHECK_SCRIPT = """
@@ -45,6 +49,7 @@ import os, sys
 sys.path.insert(0, {repo!r})
 from manual_train.cli import run
 from manual_train.loops import ddp, hybrid, zero
+import fairscale  # noqa: F401  (required, setup.cfg's test extras: OSS and ShardedGradScaler take group=WORLD too)
 
 def gloo_threads():
     tasks = "/proc/self/task"
@@ -53,12 +58,8 @@ def gloo_threads():
 jobs = [("ddp", ddp, ddp.DDPConfig, []),
         ("zero-torch-1", zero, zero.ZeroConfig, ["--impl", "torch", "--stage", "1"]),
         ("zero-torch-2", zero, zero.ZeroConfig, ["--impl", "torch", "--stage", "2"]),
-        ("hybrid-ddp-mp", hybrid, hybrid.HybridConfig, ["--mode", "ddp-mp"])]
-try:
-    import fairscale  # noqa: F401  (optional: OSS and ShardedGradScaler take group=WORLD defaults too)
-    jobs.append(("zero-fairscale-1", zero, zero.ZeroConfig, ["--impl", "fairscale", "--stage", "1"]))
-except ImportError:
-    pass
+        ("hybrid-ddp-mp", hybrid, hybrid.HybridConfig, ["--mode", "ddp-mp"]),
+        ("zero-fairscale-1", zero, zero.ZeroConfig, ["--impl", "fairscale", "--stage", "1"])]
 for name, module, config_cls, argv in jobs:
     os.environ.pop("MASTER_PORT", None)  # a fresh port per group: a leftover store would hold the old one
     status = run(module.train, config_cls, script=name.split("-")[0], argv=[*argv, *{short!r}, "--out-dir",
@@ -78,7 +79,7 @@ def test_no_gloo_thread_outlives_teardown(tmp_path):
                           timeout=CHECK_TIMEOUT_S, env={**env, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     reports = [line for line in proc.stdout.splitlines() if "gloo threads after teardown" in line]
-    assert len(reports) >= 5, proc.stdout[-3000:]
+    assert [line.split(":")[0] for line in reports] == CHECK_JOBS, proc.stdout[-3000:]  # every job, once, in order
     left = [line for line in reports if not line.endswith("exit 0, gloo threads after teardown: []")]
     assert not left, "\n".join(left)
 
