@@ -3,7 +3,8 @@
 dp-mp (one process, DataParallel inside each half; like every run of the loop a process group, here of one, with DDP
 over the split averaging over that one process) trains the baseline's weights, and each wrapper holds its own half
 (the source article wraps the encoder twice). ddp-mp under torchrun: 2 ranks with batch b train the
-weights of one process with batch 2b, and evaluate exactly. One torchrun launch in all.
+weights of one process with batch 2b, and evaluate exactly. One torchrun launch in all, and one job of 2 ranks
+(tests/jobs.py) for a training set the ranks do not divide (61 samples: shards 31/30, no repeats).
 
 The parity proofs run in 64-true (float64; docs/parity.md) within PARITY_TOL_64 = 1e-9, over two epochs: dp-mp on
 test_mp.SEQ_PARITY's horizon (205 samples, 42 SGD steps, each epoch's last batch 5 = 3 + 2 over a group of two),
@@ -12,7 +13,9 @@ variants fail the same checks: the article's wrapping (the decoder's wrapper not
 then never trained) and, for ddp-mp, one process with the per-rank batch. The fp32 pairing (dp-mp explicit, the same
 horizon, seq2seq) is held to a noise floor measured in the same test. Measured 2026-12-01 (2-core Xeon VM, AVX-512,
 torch 2.14.1): dp-mp torch 0.0, explicit 4.4e-16, the article's wrapping 1.3; ddp-mp 2.2e-16, the per-rank batch
-0.32; fp32 explicit 2.4e-7 against a floor of 4.8e-7, the article's wrapping 1.3.
+0.32; fp32 explicit 2.4e-7 against a floor of 4.8e-7, the article's wrapping 1.3. ddp-mp on 61 samples (two epochs,
+64-true; 2026-12-02, 2-core AMD EPYC VM): 2.2e-16, accumulate 2 5.6e-17; the known-wrong variant, DistributedSampler's
+padding (pad=True), 0.13 (the loop as it was before it passed pad=False: 0.11, and samples_seen 124 for 122).
 """
 from __future__ import annotations
 
@@ -25,10 +28,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from conftest import (assert_same_path_bitwise, PARITY_TOL_64, SEQ, as_torchrun_rank, assert_within_fp32_floor, cuda_devices, fp32_noise_floor,
-                      load_model_state, make_cfg, max_param_diff, run_script, torchrun, train_state)
+from conftest import (assert_cross_path_64, assert_same_path_bitwise, PARITY_TOL_64, SEQ, as_torchrun_rank,
+                      assert_within_fp32_floor, cuda_devices, fp32_noise_floor, load_model_state, make_cfg,
+                      max_param_diff, run_script, torchrun, train_state)
+from jobs import run_job
 from test_mp import SEQ_FP32, SEQ_PARITY
-from manual_train import parallel
+from manual_train import data, parallel
 from manual_train.checkpoint import REQUIRED_KEYS
 from manual_train.cli import run as cli_run
 from manual_train.config import Config
@@ -140,12 +145,20 @@ def test_fp32_dp_mp_within_the_noise_floor_and_the_articles_wrapping_is_not(tmp_
 
 
 def test_resume_continues_exactly(tmp_path):
+    """3 steps, then --resume auto on to 6: the weights of 6 steps straight, and the resumed call trains only the 3
+    remaining batches, the straight run's last 3; a rerun from scratch (--resume ignored) trains all 6 (test_dp.py)."""
+    from test_dp import resume_runs
+
     common = dict(SEQ, mode="dp-mp", impl="explicit", schedule="constant")
-    straight, _ = train_state(hybrid, hybrid.HybridConfig, tmp_path, "a", **dict(common, max_steps=6))
-    hybrid.train(make_cfg(tmp_path / "b", hybrid.HybridConfig, **dict(common, max_steps=3)))
-    summary = hybrid.train(make_cfg(tmp_path / "b", hybrid.HybridConfig, resume="auto", **dict(common, max_steps=6)))
-    assert summary["optimizer_steps"] == 6
-    assert_same_path_bitwise(straight, load_model_state(tmp_path / "b" / "run"), "resumed vs 6 steps straight")
+    runs = resume_runs(tmp_path, hybrid, hybrid.HybridConfig, **common)
+    straight, _, straight_seen = runs.straight
+    weights, summary, seen = runs.resumed
+    assert summary["optimizer_steps"] == 6 and summary["samples_seen"] == 60
+    assert_same_path_bitwise(straight, weights, "resumed vs 6 steps straight")
+    assert len(straight_seen) == 6 and seen == straight_seen[3:]  # only the remaining steps, on their samples
+    weights, summary, seen = runs.ignored  # the known-wrong variant: the weights check passes, this one does not
+    assert_same_path_bitwise(straight, weights, "a rerun from scratch vs 6 steps straight")
+    assert seen != straight_seen[3:] and seen == straight_seen
 
 
 # ---------------------------------------------------------------------- ddp-mp under torchrun
@@ -180,6 +193,71 @@ def test_ddp_mp_two_ranks_equal_one_process_with_twice_the_batch(tmp_path):
         ckpt = torch.load(out_dir / name, map_location="cpu", weights_only=True)
         assert set(REQUIRED_KEYS) <= ckpt.keys() and ckpt["world_size"] == 2
         assert not any(k.startswith("module.") for k in ckpt["model"])
+
+
+# ---------------------------------------------------------------------- ddp-mp on a set 2 ranks do not divide
+# 61 training samples on 2 ranks of 10 per micro-batch: shards of 31/30, so each epoch's last global micro-batch holds
+# 1 sample, rank 0's, and rank 1's is empty (weight 0); validation 15 = 8/7. Two epochs, 64-true: 8 steps, or 4 with
+# accumulate 2 (windows of 40 and 21 samples). The ranks are started by tests/jobs.py (one job, three scenarios).
+UNEVEN = dict(SEQ, synthetic_size=61, max_steps=None, epochs=2, precision="64-true", log_every=2)
+real_train_sampler = data.train_sampler
+
+
+def padded_train_sampler(dataset, seed, world_size=1, rank=0, pad=False):
+    """The loop's old sampler line: DistributedSampler's own rule, rank 1's shard filled up with a repeat of a
+    sample (which then trains twice)."""
+    return real_train_sampler(dataset, seed, world_size, rank, pad=True)
+
+
+def _uneven_scenario(name: str, world_size: int, rank: int, out) -> dict:
+    flags = dict(UNEVEN, accumulate=2 if name == "uneven_accumulate" else 1)
+    with pytest.MonkeyPatch.context() as patch:
+        if name == "padded":  # the known-wrong variant: the same loop with pad=True
+            patch.setattr(hybrid.data, "train_sampler", padded_train_sampler)
+        summary = hybrid.train(make_cfg(out / name, hybrid.HybridConfig, mode="ddp-mp", devices="cpu,cpu", **flags))
+    return {k: summary[k] for k in ("final_val_loss", "final_val_acc", "optimizer_steps", "samples_seen")}
+
+
+@pytest.fixture(scope="module")
+def uneven_job(tmp_path_factory):
+    out = tmp_path_factory.mktemp("uneven2")
+    return out, run_job(_uneven_scenario, 2, out, ["uneven", "uneven_accumulate", "padded"],
+                        ["manual_train.loops.hybrid"])
+
+
+@pytest.fixture(scope="module")
+def uneven_single(tmp_path_factory):
+    """The single process with the global batch, 20, per accumulate: (weights, summary)."""
+    root = tmp_path_factory.mktemp("uneven_single")
+    return {k: train_state(single, Config, root, f"k{k}", **dict(UNEVEN, batch_size=20, accumulate=k)) for k in (1, 2)}
+
+
+@pytest.mark.parametrize("scenario", ["uneven", "uneven_accumulate"])
+def test_ddp_mp_on_a_set_the_ranks_do_not_divide_equals_one_process(uneven_job, uneven_single, scenario):
+    """2 ranks x batch 10 on 61 samples (shards 31/30, no repeats; rank 1's last micro-batch empty) == 1 process x
+    batch 20, 64-true, two epochs, within 1e-9 (measured 2.2e-16; accumulate 2: 5.6e-17). Each sample counts once in
+    samples_seen (the old line, x.shape[0] x N per micro-step, counted the repeat: 124)."""
+    out, results = uneven_job
+    accumulate = 2 if scenario == "uneven_accumulate" else 1
+    ref, ref_summary = uneven_single[accumulate]
+    assert_cross_path_64(load_model_state(out / scenario / "run"), ref, f"ddp-mp 2 x 10 on 61 samples ({scenario})")
+    assert ref_summary["samples_seen"] == 2 * 61 and ref_summary["optimizer_steps"] == 8 // accumulate
+    for r in results:  # every rank's summary
+        assert r[scenario]["samples_seen"] == ref_summary["samples_seen"]
+        assert r[scenario]["optimizer_steps"] == ref_summary["optimizer_steps"]
+        assert r[scenario]["final_val_acc"] == ref_summary["final_val_acc"]  # 15 samples, shards 8/7
+        assert r[scenario]["final_val_loss"] == pytest.approx(ref_summary["final_val_loss"], rel=1e-9)
+
+
+def test_ddp_mp_with_the_samplers_padding_fails_the_same_check(uneven_job, uneven_single):
+    """The known-wrong variant: DistributedSampler's padding (pad=True), rank 1's last micro-batch a repeat of one of
+    rank 0's samples, trains that sample twice: outside the bound by orders of magnitude (measured 0.13)."""
+    out, _ = uneven_job
+    ref, _ = uneven_single[1]
+    padded = load_model_state(out / "padded" / "run")
+    print(f"ddp-mp with pad=True vs one process: {max_param_diff(padded, ref):.3g}")
+    with pytest.raises(AssertionError, match="64-true max abs diff"):
+        assert_cross_path_64(padded, ref, "ddp-mp with pad=True on 61 samples")
 
 
 def test_defaults_are_mp_py_task_and_budget():

@@ -19,8 +19,8 @@ import json
 import pytest
 import torch
 
-from conftest import (assert_same_path_bitwise, FP32_MODEL, PARITY_TOL_64, SEQ, assert_within_fp32_floor, cuda_devices, fp32_noise_floor,
-                      load_model_state, make_cfg, max_param_diff, run_script, train_state)
+from conftest import (assert_same_path_bitwise, FP32_MODEL, PARITY_TOL_64, SEQ, assert_within_fp32_floor, cuda_devices,
+                      fp32_noise_floor, max_param_diff, run_script, train_state)
 from manual_train import parallel
 from manual_train.cli import run as cli_run
 from manual_train.config import Config
@@ -167,13 +167,20 @@ def test_fp32_mp_within_the_noise_floor_and_averaged_microbatch_losses_are_not(t
 
 
 def test_resume_continues_exactly(tmp_path):
+    """3 steps, then --resume auto on to 6: the weights of 6 steps straight, and the resumed call trains only the 3
+    remaining batches, the straight run's last 3; a rerun from scratch (--resume ignored) trains all 6 (test_dp.py)."""
+    from test_dp import resume_runs
+
     common = dict(SEQ, microbatches=2, schedule="constant")
-    straight, _ = train_state(model_parallel, model_parallel.MPConfig, tmp_path, "a", **dict(common, max_steps=6))
-    model_parallel.train(make_cfg(tmp_path / "b", model_parallel.MPConfig, **dict(common, max_steps=3)))
-    summary = model_parallel.train(make_cfg(tmp_path / "b", model_parallel.MPConfig, resume="auto",
-                                            **dict(common, max_steps=6)))
-    assert summary["optimizer_steps"] == 6
-    assert_same_path_bitwise(straight, load_model_state(tmp_path / "b" / "run"), "resumed vs 6 steps straight")
+    runs = resume_runs(tmp_path, model_parallel, model_parallel.MPConfig, **common)
+    straight, _, straight_seen = runs.straight
+    weights, summary, seen = runs.resumed
+    assert summary["optimizer_steps"] == 6 and summary["samples_seen"] == 60
+    assert_same_path_bitwise(straight, weights, "resumed vs 6 steps straight")
+    assert len(straight_seen) == 6 and seen == straight_seen[3:]  # only the remaining steps, on their samples
+    weights, summary, seen = runs.ignored  # the known-wrong variant: the weights check passes, this one does not
+    assert_same_path_bitwise(straight, weights, "a rerun from scratch vs 6 steps straight")
+    assert seen != straight_seen[3:] and seen == straight_seen
 
 
 # ---------------------------------------------------------------------- bad input

@@ -15,10 +15,12 @@ line is marked HYBRID:
                      second, as launch/mp.py does. x stays on the host: the split sends each half its rows.
   the DDP recipe ... as loops/ddp.py: the split in DDP (without device_ids: it spans two devices), a process
                      group under torchrun and a group of one for plain python (so dp-mp, one process by
-                     definition, runs the same code), the sampler's and the validation set's shards, no_sync()
-                     on all but a window's last micro-step, the log and evaluation sums all-reduced (all_sum).
-N ranks with --batch-size b train the weights of one process with N*b. HybridConfig (--mode, --devices, --impl)
-is in manual_train/hybrid_setup.py; DEFAULTS are launch/mp.py's task and budget.
+                     definition, runs the same code), the sampler's shards without repeats (a shard one short
+                     ends in an empty micro-batch, and every micro-batch is weighted by its share of the global
+                     window) and the validation set's, no_sync() on all but a window's last micro-step, the log
+                     and evaluation sums all-reduced (all_sum).
+N ranks with --batch-size b train the weights of one process with N*b, on any set size. HybridConfig (--mode,
+--devices, --impl) is in manual_train/hybrid_setup.py; DEFAULTS are launch/mp.py's task and budget.
 """
 # <<< HYBRID
 from __future__ import annotations
@@ -65,11 +67,16 @@ def train_rank(cfg: HybridConfig, env: DistEnv, group_a: list, group_b: list) ->
     set_deterministic(cfg.deterministic)
     torch.autograd.set_detect_anomaly(cfg.detect_anomaly)  # --detect-anomaly: backward names the op that made a NaN
     train_ds, val_ds, info = data.build_datasets(cfg)
-    # >>> HYBRID: rank r trains on perm[r::N] of the one permutation and evaluates its own disjoint validation shard
-    sampler = data.train_sampler(train_ds, cfg.seed, env.world_size, env.rank)
+    # >>> HYBRID: rank r trains on perm[r::N] of the one permutation and evaluates its own disjoint validation shard.
+    # No repeats, as loops/ddp.py: when N does not divide the set, DistributedSampler's padding (pad=True) would
+    # train a few samples twice; here a shard one short ends in an empty micro-batch (weight 0) instead, and the
+    # weights below use the whole set's numbers: n_all samples, N x batch in each micro-step (fewer in the last).
+    sampler = data.train_sampler(train_ds, cfg.seed, env.world_size, env.rank, pad=False)
     train_loader = data.build_loader(train_ds, cfg, device, batch_size=cfg.batch_size, sampler=sampler)
     val_loader = data.build_loader(data.eval_shard(val_ds, env.world_size, env.rank), cfg, device,
                                    batch_size=cfg.eval_batch_size)
+    micro_batch = cfg.batch_size * env.world_size
+    n_all = data.limit_train(len(train_ds), cfg, micro_batch)  # --limit-train-batches: this epoch's samples
     # <<< HYBRID
     n_train = data.limit_train(len(sampler), cfg)  # --limit-train-batches (--fast-dev-run: 1): the epoch's samples
     global_batch_size = cfg.batch_size * cfg.accumulate * env.world_size  # HYBRID: what one optimizer step averages
@@ -128,7 +135,11 @@ def train_rank(cfg: HybridConfig, env: DistEnv, group_a: list, group_b: list) ->
             # Accumulation: weight each micro-batch's mean loss by its share of the window's samples, so the
             # window's gradient is the mean over all its samples, as one big batch (also for the epoch's
             # last, partial window, where dividing by K would shrink it; Lightning issue 19987).
-            weight = x.shape[0] / data.window_samples(n_train, cfg.batch_size, cfg.accumulate, micro_step)
+            # >>> HYBRID: the window is the GLOBAL one, every rank's samples of it, and DDP divides the all-reduced sum
+            # by N, so each rank's share is times N: the window's mean also when ranks' micro-batches differ in size
+            # (an empty one, weight 0, joins the all-reduce with exact zeros). dp-mp (N = 1): the baseline's weight.
+            weight = x.shape[0] * env.world_size / data.window_samples(n_all, micro_batch, cfg.accumulate, micro_step)
+            # <<< HYBRID
 
             # >>> HYBRID: inside no_sync() backward only adds into each rank's own .grad; the window's last micro-step
             # runs outside it and its backward all-reduces the accumulated sums. One all-reduce per optimizer step,
@@ -142,10 +153,10 @@ def train_rank(cfg: HybridConfig, env: DistEnv, group_a: list, group_b: list) ->
 
             # Logging without retained graphs: detach() drops autograd history, so nothing of this
             # step's graph outlives the step (summing `loss` itself would chain every step's graph).
-            loss_sum += loss.detach() * weight
+            loss_sum += loss.detach() * weight if weight else 0  # HYBRID: an empty micro-batch's mean loss is 0/0
             correct_sum += correct_count(logits.detach(), y)
             log_targets += y.numel()
-            samples_seen += x.shape[0] * env.world_size  # HYBRID: every rank reads an equal share (the sampler pads)
+            samples_seen += data.window_samples(n_all, micro_batch, 1, micro_step)  # HYBRID: every rank's, this step
 
             if window_end:
                 scaler.unscale_(optimizer)  # true gradients before clipping (a no-op when the scaler is off)
