@@ -35,6 +35,8 @@ def _rank_entry(rank: int, scenario_fn: Callable, world_size: int, store_ports: 
 def run_job(scenario_fn: Callable, world_size: int, out_dir: Path, scenarios: list, preload: list) -> list[dict]:
     """Run scenario_fn(name, world_size, rank, out_dir) -> JSON-able dict on every rank, for each scenario in
     order; return each rank's {name: result}. An exception in any rank fails the job (and the test)."""
+    if os.environ.get("JOB_SCENARIOS"):  # `make mutants`: only the scenarios the mutant's killing tests read
+        scenarios = [s for s in scenarios if s in os.environ["JOB_SCENARIOS"].split(",")]
     multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", *preload])
     out_dir.mkdir(parents=True, exist_ok=True)
     stores = [torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # 0: the OS picks

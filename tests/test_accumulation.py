@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import (FP32_MODEL, PARITY_TOL_64, assert_within_fp32_floor, fp32_noise_floor, load_model_state,
+from conftest import (FP32_MODEL, PARITY_TOL_64, assert_cross_path_64, assert_within_fp32_floor, fp32_noise_floor, load_model_state,
                       make_cfg, max_param_diff, run_script)
 
 from manual_train.loops import single
@@ -29,6 +29,19 @@ def test_16_x_4_equals_64(tmp_path, epochs):
     assert all(v.dtype == torch.float64 for v in acc.values())  # the checkpoint holds the float64 weights
     diff = max_param_diff(big, acc)
     assert diff <= PARITY_TOL_64, diff
+
+
+# A short set for the same proof in a second (make mutants runs it against each accumulation mutant): 88 = 64 + 24
+# samples, so each epoch's last window is partial and holds a short micro-batch (16 + 8).
+SHORT = dict(model="mlp", dataset="synthetic", synthetic_size=88, synthetic_shape="1,8,8", synthetic_classes=4,
+             epochs=2, precision="64-true", log_every=1)
+
+
+def test_16_x_4_equals_64_on_a_short_set(tmp_path):
+    big, s_big = train_weights(tmp_path, "big", batch_size=64, **SHORT)
+    acc, s_acc = train_weights(tmp_path, "acc", batch_size=16, accumulate=4, **SHORT)
+    assert s_acc["optimizer_steps"] == s_big["optimizer_steps"] == 4 and s_acc["samples_seen"] == 2 * 88
+    assert_cross_path_64(acc, big, "16 x 4 vs 64 (88 samples)")
 
 
 def test_dividing_by_k_in_the_partial_window_fails_the_same_check(tmp_path, monkeypatch):

@@ -1,0 +1,272 @@
+"""`make mutants`: apply each mutant of the catalogue (tests/mutants/) to a temporary copy of the repository, run the
+tests that must kill it, and write what happened: docs/mutants.md (the kill matrix) and docs/bug-gallery.md (what
+each mistake costs, measured).
+
+    python tests/run_mutants.py                  # every mutant, kill runs and gallery runs; writes both pages
+    python tests/run_mutants.py --only ddp-      # mutants whose name starts with ddp- (nothing written)
+    python tests/run_mutants.py --no-gallery     # the kill runs alone (nothing written)
+
+Exit status 0 when every mutant was killed, 1 when one survived or its kill run broke (an error that is not a
+failed assertion: the kill proves nothing then), 2 for bad arguments.
+"""
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))
+
+from mutants import TECHNIQUES, Mutant, catalogue  # noqa: E402
+
+COPIED = ("manual_train", "launch", "tests", "setup.cfg", "setup.py")
+KILL_TIMEOUT_S = 600  # a kill run is a few tests; a mutant that hangs is killed by the tests' own timeouts first
+DEMO_TIMEOUT_S = 300
+DISTANCE = re.compile(r"max abs diff ([0-9.eE+-]+|inf|nan)")
+
+
+@dataclass
+class Outcome:
+    name: str
+    status: str  # killed, survived, broken
+    test: str  # the test that failed first (killed), or ""
+    message: str  # its failure line
+    distance: str  # the max abs weight difference the failure reported, where it did
+    seconds: float
+
+
+def repo_copy(root: Path, mutant: Mutant | None) -> Path:
+    """The repository's code and tests under root, with the mutant applied (None: unchanged)."""
+    for name in COPIED:
+        src = REPO / name
+        if src.is_dir():
+            shutil.copytree(src, root / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        else:
+            shutil.copy2(src, root / name)
+    if mutant is not None:
+        path = root / mutant.file
+        text = path.read_text()
+        path.write_text(text.replace(mutant.old, mutant.new))
+    return root
+
+
+def check(mutant: Mutant) -> None:
+    """A mutant must apply exactly once and change something (else it mutates nothing)."""
+    text = (REPO / mutant.file).read_text()
+    count = text.count(mutant.old)
+    assert count == 1, f"{mutant.name}: `old` occurs {count} times in {mutant.file}"
+    assert mutant.old != mutant.new, f"{mutant.name}: `new` equals `old`"
+    assert mutant.technique in TECHNIQUES, f"{mutant.name}: unknown technique {mutant.technique}"
+    assert mutant.kill, f"{mutant.name}: no test named to kill it"
+
+
+def diff_lines(mutant: Mutant) -> list[str]:
+    """The mutant as a unified diff of its file (3 lines of context are too many for the gallery: 1)."""
+    text = (REPO / mutant.file).read_text()
+    before, after = text.splitlines(), text.replace(mutant.old, mutant.new).splitlines()
+    return [line for line in difflib.unified_diff(before, after, f"a/{mutant.file}", f"b/{mutant.file}", n=1,
+                                                  lineterm="")][2:]
+
+
+def env_for(root: Path, extra: dict) -> dict:
+    return {**os.environ, "PYTHONPATH": str(root), "PYTHONUNBUFFERED": "1", **extra}
+
+
+def first_failure(report: Path) -> tuple[str, str, str] | None:
+    """(test node id, tag, message) of the first failed or errored test in a junit XML report; None when none."""
+    import xml.etree.ElementTree as ET
+
+    for case in ET.parse(report).getroot().iter("testcase"):
+        for child in case:
+            if child.tag in ("failure", "error"):
+                node = f"{case.get('classname', '').replace('.', '/')}.py::{case.get('name')}"
+                return node, child.tag, (child.get("message") or "").strip()
+    return None
+
+
+def is_a_kill(tag: str, message: str) -> bool:
+    """A failed assertion, pytest.fail or pytest-timeout's hang; not an exception of another kind, nor a fixture's
+    error (a missing scenario, an import error: the test could not check anything)."""
+    return tag == "failure" and message.startswith(("assert", "AssertionError", "Failed:"))
+
+
+def kill(mutant: Mutant) -> Outcome:
+    """Run mutant.kill in a mutated copy: killed (a test failed with an assertion), survived, or broken."""
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix=f"mutant-{mutant.name}-") as tmp:
+        root = repo_copy(Path(tmp), mutant)
+        report = Path(tmp) / "report.xml"
+        cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", f"--junitxml={report}",
+               *mutant.kill]
+        try:
+            proc = subprocess.run(cmd, cwd=root, env=env_for(root, mutant.env), capture_output=True, text=True,
+                                  timeout=KILL_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            return Outcome(mutant.name, "broken", "", f"the kill run took more than {KILL_TIMEOUT_S} s", "",
+                           time.perf_counter() - start)
+        failure = first_failure(report) if report.exists() else None
+    seconds = time.perf_counter() - start
+    out = proc.stdout + proc.stderr
+    if proc.returncode == 0:
+        return Outcome(mutant.name, "survived", "", "", "", seconds)
+    if failure is None:
+        tail = out.strip().splitlines()[-1:] or [""]
+        return Outcome(mutant.name, "broken", "", f"pytest exit {proc.returncode}: {tail[0][:200]}", "", seconds)
+    test, tag, message = failure
+    distance = DISTANCE.search(message) or DISTANCE.search(out)
+    status = "killed" if is_a_kill(tag, message) else "broken"
+    return Outcome(mutant.name, status, test, " ".join(message.split())[:300], distance.group(1) if distance else "",
+                   seconds)
+
+
+def demo_run(root: Path, demo: tuple, out: Path) -> dict:
+    """One gallery run in `root`: the launch script with its arguments; summary.json's numbers, or the error."""
+    script, nproc, *argv = demo
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
+                if nproc else [sys.executable])
+    cmd = [*launcher, str(root / "launch" / f"{script}.py"), *argv, "--out-dir", str(out), "--no-progress"]
+    try:
+        proc = subprocess.run(cmd, cwd=root, env=env_for(root, {}), capture_output=True, text=True,
+                              timeout=DEMO_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return {"error": f"hung: no end after {DEMO_TIMEOUT_S} s"}
+    if proc.returncode != 0:
+        lines = [line for line in proc.stderr.splitlines() if line.strip()]
+        errors = [line for line in lines if "Error" in line or line.startswith("error:")]
+        return {"error": f"exit {proc.returncode}: {(errors or lines or [''])[-1][:200]}"}
+    summary = json.loads((out / "summary.json").read_text())
+    return {k: summary.get(k) for k in ("final_val_loss", "final_val_acc", "optimizer_steps", "samples_seen")}
+
+
+def gallery_runs(mutants: list[Mutant]) -> dict:
+    """For each mutant with a demo: its run and the correct run of the same command (once per command)."""
+    results, correct = {}, {}
+    with tempfile.TemporaryDirectory(prefix="mutant-clean-") as tmp:
+        clean = repo_copy(Path(tmp) / "repo", None)
+        for mutant in mutants:
+            if not mutant.demo:
+                continue
+            key = json.dumps(mutant.demo)
+            if key not in correct:
+                correct[key] = demo_run(clean, mutant.demo, Path(tmp) / f"correct{len(correct)}")
+            with tempfile.TemporaryDirectory(prefix=f"mutant-{mutant.name}-") as mtmp:
+                root = repo_copy(Path(mtmp) / "repo", mutant)
+                results[mutant.name] = {"correct": correct[key], "mutant": demo_run(root, mutant.demo,
+                                                                                   Path(mtmp) / "out")}
+            print(f"  gallery {mutant.name}: {results[mutant.name]}", flush=True)
+    return results
+
+
+# ---------------------------------------------------------------------- the two pages
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def kill_matrix(mutants: list[Mutant], outcomes: dict, when: str) -> str:
+    lines = ["# The kill matrix", "",
+             "Generated by `make mutants` (tests/run_mutants.py) from the catalogue in tests/mutants/: each mutant is a",
+             "minimal edit of the technique's own code, applied to a temporary copy of the repository, and the tests",
+             "named here ran against it (`pytest -x`). Killed: a test failed with an assertion. The distance is the",
+             "max abs weight difference the failing parity check reported, where it reports one (64-true bound",
+             "1e-9). What each mistake costs a user: docs/bug-gallery.md.", "",
+             f"Measured {when}.", "",
+             "| technique | mutant | the bug | killed by | distance | time |", "|---|---|---|---|---|---|"]
+    for m in mutants:
+        o = outcomes[m.name]
+        test = f"`{o.test}`" if o.test else o.status.upper()
+        lines.append(f"| {m.technique} | `{m.name}` | {_cell(m.says)} | {test} | {o.distance or '-'} | "
+                     f"{o.seconds:.0f} s |")
+    killed = sum(outcomes[m.name].status == "killed" for m in mutants)
+    lines += ["", f"{killed} of {len(mutants)} killed.", ""]
+    return "\n".join(lines)
+
+
+def _run_cell(r: dict) -> str:
+    if "error" in r:
+        return r["error"]
+    return f"val loss {r['final_val_loss']:.4f}, val acc {r['final_val_acc']:.4f}"
+
+
+def bug_gallery(mutants: list[Mutant], outcomes: dict, runs: dict, when: str) -> str:
+    lines = ["# The bug gallery: what each mistake costs, measured", "",
+             "Each entry is one mutant of tests/mutants/ (the catalogue `make mutants` runs): the bug as a diff of",
+             "this repository's code, what a user running it sees against the same command without the bug, and",
+             "the test that catches it (docs/mutants.md: the kill matrix). Generated by `make mutants`; measured",
+             f"{when}.", ""]
+    for technique, page in TECHNIQUES.items():
+        group = [m for m in mutants if m.technique == technique]
+        if not group:
+            continue
+        lines += [f"## {technique}", "", f"The technique: [{page.split('/')[-1]}]({page.split('/')[-1]}).", ""]
+        for m in group:
+            o = outcomes[m.name]
+            lines += [f"### `{m.name}`", "", m.says + (f" Mirrors: {m.report}." if m.report else ""), "",
+                      "```diff", *diff_lines(m), "```", ""]
+            if m.name in runs:
+                script, nproc, *argv = m.demo
+                command = (f"torchrun --nproc_per_node={nproc} " if nproc else "python ") + \
+                    f"launch/{script}.py {' '.join(argv)}"
+                lines += [f"`{command}`: correct {_run_cell(runs[m.name]['correct'])}; with the bug "
+                          f"{_run_cell(runs[m.name]['mutant'])}.", ""]
+            caught = f"`{o.test}`" + (f" (max abs diff {o.distance})" if o.distance else "") if o.test else \
+                o.status.upper()
+            lines += [f"Caught by {caught}.", ""]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("--only", default="", help="run the mutants whose name starts with this (nothing written)")
+    parser.add_argument("--no-gallery", action="store_true", help="skip the gallery runs (nothing written)")
+    args = parser.parse_args(argv)
+    mutants = catalogue()
+    names = [m.name for m in mutants]
+    if len(set(names)) != len(names):
+        print(f"error: duplicate mutant names: {sorted({n for n in names if names.count(n) > 1})}", file=sys.stderr)
+        return 2
+    selected = [m for m in mutants if m.name.startswith(args.only)]
+    if not selected:
+        print(f"error: --only {args.only!r} matches no mutant", file=sys.stderr)
+        return 2
+    for m in selected:
+        check(m)
+    outcomes = {}
+    started = time.perf_counter()
+    for i, m in enumerate(selected, 1):
+        o = outcomes[m.name] = kill(m)
+        print(f"[{i}/{len(selected)}] {m.name}: {o.status.upper()} in {o.seconds:.0f} s"
+              + (f" by {o.test}" if o.test else "") + (f" (distance {o.distance})" if o.distance else "")
+              + (f"\n    {o.message}" if o.status != "survived" else ""), flush=True)
+    runs = {} if args.no_gallery else gallery_runs(selected)
+    bad = [o for o in outcomes.values() if o.status != "killed"]
+    print(f"{len(selected) - len(bad)} of {len(selected)} killed in {time.perf_counter() - started:.0f} s"
+          + "".join(f"\n  {o.status.upper()}: {o.name} {o.message}" for o in bad))
+    if not args.only and not args.no_gallery:
+        import platform
+
+        import torch
+
+        cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                    if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() \
+            else platform.processor()
+        when = (f"{time.strftime('%Y-%m-%d')} on {os.cpu_count()} cores of {cpu}, ATen "
+                f"{torch.backends.cpu.get_cpu_capability()}, torch {torch.__version__}")
+        (REPO / "docs" / "mutants.md").write_text(kill_matrix(mutants, outcomes, when))
+        (REPO / "docs" / "bug-gallery.md").write_text(bug_gallery(mutants, outcomes, runs, when))
+        print("wrote docs/mutants.md and docs/bug-gallery.md")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
