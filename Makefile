@@ -3,11 +3,13 @@
 # make bench  the CPU benchmark (quick)
 # make test-isa  the parity tests under each instruction set a user's CPU may have (native, AVX2, the lowest)
 # make stress    the repetition tests (a race under CPU load), not part of `make test`
+# make mutants   every mutant of tests/mutants/ against the tests that must kill it; writes docs/mutants.md and
+#                docs/bug-gallery.md (about 30 minutes on 2 cores)
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 
-.PHONY: demo test test-isa stress bench clean
+.PHONY: demo test test-isa stress mutants bench clean
 
 $(VENV)/.installed: setup.cfg setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -48,6 +50,9 @@ test-isa: $(VENV)/.installed
 # every one must exit 0 (the gloo teardown abort of tests/test_teardown.py; a race, so it is repeated).
 stress: $(VENV)/.installed
 	$(PY) -m pytest -q -rA -p no:cacheprovider -m stress
+
+mutants: $(VENV)/.installed
+	$(PY) tests/run_mutants.py
 
 bench: $(VENV)/.installed
 	$(PY) -m manual_train.bench --suite cpu --quick

@@ -1,0 +1,51 @@
+"""The mutant machinery stays current (`make mutants` runs all of it; this runs a little of it in `make test`).
+
+  names .......... the catalogue (tests/mutants/), the kill matrix (docs/mutants.md) and the gallery
+                   (docs/bug-gallery.md) name the same mutants in the same order; at least 45; every one applies
+                   exactly once to today's code, and the last full run killed every one
+  end to end ..... the 6 mutants the last full run killed fastest are applied to a temporary copy again and their
+                   killers run: each must still be killed (a killer that stopped failing, or a mutant whose text
+                   no longer matches, fails here)
+"""
+from __future__ import annotations
+
+import re
+
+import pytest
+from conftest import REPO
+from mutants import catalogue
+from run_mutants import check, kill
+
+MIN_MUTANTS = 45
+CHEAPEST = 6
+ROW = re.compile(r"^\| [^|]+ \| `([^`]+)` \| .* \| (\d+) s \|$", re.M)
+
+
+def _matrix_rows() -> list[tuple[str, int]]:
+    """(name, seconds) of each row of docs/mutants.md; none without the page (the names test then fails)."""
+    page = REPO / "docs" / "mutants.md"
+    return [(name, int(seconds)) for name, seconds in ROW.findall(page.read_text())] if page.exists() else []
+
+
+def test_catalogue_matrix_and_gallery_name_the_same_mutants():
+    names = [m.name for m in catalogue()]
+    assert len(names) >= MIN_MUTANTS, f"{len(names)} mutants; issue 26 asks for at least {MIN_MUTANTS}"
+    assert [name for name, _ in _matrix_rows()] == names, "docs/mutants.md is stale: run `make mutants`"
+    gallery = re.findall(r"^### `([^`]+)`$", (REPO / "docs" / "bug-gallery.md").read_text(), re.M)
+    assert gallery == names, "docs/bug-gallery.md is stale: run `make mutants`"
+    for m in catalogue():
+        check(m)  # applies exactly once, changes something, names a technique and its killers
+    matrix = (REPO / "docs" / "mutants.md").read_text()
+    assert f"{len(names)} of {len(names)} killed." in matrix
+
+
+def _cheapest() -> list[str]:
+    return [name for name, _ in sorted(_matrix_rows(), key=lambda row: row[1])[:CHEAPEST]]
+
+
+@pytest.mark.parametrize("name", _cheapest())
+def test_a_cheap_mutant_is_still_killed(name):
+    mutant = next(m for m in catalogue() if m.name == name)
+    outcome = kill(mutant)
+    print(f"{name}: {outcome.status} by {outcome.test} in {outcome.seconds:.0f} s ({outcome.message[:120]})")
+    assert outcome.status == "killed", outcome
