@@ -123,7 +123,7 @@ def kill(mutant: Mutant) -> Outcome:
         tail = out.strip().splitlines()[-1:] or [""]
         return Outcome(mutant.name, "broken", "", f"pytest exit {proc.returncode}: {tail[0][:200]}", "", seconds)
     test, tag, message = failure
-    distance = DISTANCE.search(message) or DISTANCE.search(out)
+    distance = DISTANCE.search(message)  # the failing check's own (an earlier, passing check prints one too)
     status = "killed" if is_a_kill(tag, message) else "broken"
     return Outcome(mutant.name, status, test, " ".join(message.split())[:300], distance.group(1) if distance else "",
                    seconds)

@@ -8,11 +8,18 @@ of imports. The single-process references run here, in the test process.
 
 What is proven here (docs/ddp.md cites these names):
   parity ............. N ranks x batch b == one process with batch N*b in 64-true, within 1e-9 over two epochs
-                       (94 steps, each epoch's last window partial), N = 2 and 4, with and without --accumulate
-                       (and a wrong batch size is far from it); in fp32 (mlp, 2 ranks) within 10 noise floors
+                       (94 steps, each epoch's last window partial), N = 2 and 4, 4 also with --accumulate; in fp32
+                       (mlp, 2 ranks) within 10 noise floors (and a wrong batch size is far from it)
+  uneven windows ..... 2 ranks x 4 x accumulate 2 on 61 samples (31/30 shards: each epoch's last window holds 7
+                       samples of rank 0's and 6 of rank 1's) == one process with batch 16, in 64-true: the weights,
+                       every logged train loss and accuracy, samples_seen, and every rank's validation numbers (15
+                       samples, 8/7). The known-wrong DDPs are tests/mutants/ddp.py's (make mutants): weighting by
+                       a rank's own window (a mean of ranks' means), no set_epoch, padding with repeats, no_sync on
+                       the wrong micro-step, per-rank samples_seen, an unreduced logged loss, per-rank validation
   evaluation ......... all-reduced shard sums == single-process evaluation of the same weights (val 297, not
                        divisible by 2 or 4), in float64 to 1e-12; Lightning's padded sampler is not
   early stopping ..... ranks whose own shards would stop at different epochs all stop at the same one
+  random streams ..... each rank draws its own numbers (seed + rank), and a resume continues each (61 samples)
   NaN ................ a NaN batch on one rank stops every rank at the same log step with TrainingDiverged
   broadcast .......... ranks built from different seeds hold rank 0's weights after wrapping, and stay equal
   no_sync ............ inside no_sync ranks' gradients differ; after the sync they are equal and match a single
@@ -29,8 +36,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import (FP32_MODEL, PARITY_TOL_64, assert_within_fp32_floor, fp32_noise_floor, load_model_state,
-                      make_cfg, max_param_diff)
+from conftest import (FP32_MODEL, PARITY_TOL_64, assert_cross_path_64, assert_within_fp32_floor, fp32_noise_floor,
+                      load_model_state, make_cfg, max_param_diff)
 from faults import inject
 from jobs import run_job
 
@@ -52,6 +59,13 @@ LR = 0.2  # one epoch at the default 0.05 leaves the model near chance; at 0.2 i
 # Ranks' own 74-sample shards move in steps of 1/74 (1.35 points) and stall at different epochs. 16 per rank
 # (24 steps an epoch) keeps the run short.
 EARLY = dict(monitor="val_acc", early_stop_patience=1, early_stop_min_delta=0.005, epochs=8, batch_size=16, lr=0.1)
+# Uneven windows (and the random streams): 61 = 3 x 16 + 13 samples, 2 ranks x 4 x accumulate 2 (4 steps an epoch).
+# Rank 0's shard holds 31 samples, rank 1's 30: the last window is 4 + 3 samples on rank 0, 4 + 2 on rank 1 (no
+# empty micro-batch: 3 ranks on 77, with one, is tests/test_ddp_knobs.py's). Validation: 15 samples, shards 8/7.
+ODD = dict(dataset="synthetic", synthetic_size=61, synthetic_shape="1,8,8", synthetic_classes=4, model="mlp",
+           epochs=2, lr=LR, log_every=1)
+ODD_RANKS, ODD_BATCH, ODD_ACCUMULATE = 2, 4, 2
+ODD_STEPS = 4  # an epoch: ceil(61 / 16)
 
 
 # ---------------------------------------------------------------------- the scenarios, run inside each rank
@@ -62,6 +76,12 @@ def _scenario_parity(world_size: int, out: Path, accumulate: int = 1, **flags) -
     summary = ddp.train(cfg)
     return {k: summary[k] for k in ("final_val_loss", "final_val_acc", "optimizer_steps", "samples_seen",
                                     "global_batch_size", "skipped_steps")}
+
+
+def _scenario_parity_odd(out: Path) -> dict:
+    summary = ddp.train(make_cfg(out, ddp.DDPConfig, **ODD, batch_size=ODD_BATCH, accumulate=ODD_ACCUMULATE,
+                                 precision="64-true", dist_timeout_s=120))
+    return {k: summary[k] for k in ("final_val_loss", "final_val_acc", "optimizer_steps", "samples_seen")}
 
 
 def _scenario_early_stop(world_size: int, out: Path) -> dict:
@@ -196,7 +216,7 @@ def _scenario_rng(out: Path) -> dict:
         if path.name == "last.pt" and state["epoch"] == 1:
             real_save(state, path.with_name("epoch1.pt"))
 
-    flags = dict(batch_size=GLOBAL_BATCH // 2, epochs=2, log_every=10)
+    flags = dict(ODD, batch_size=ODD_BATCH, accumulate=ODD_ACCUMULATE)
     try:
         ddp.loss_fn, run_module.save_checkpoint = recording("a"), save_and_keep_epoch_1
         ddp.train(make_cfg(out / "a", ddp.DDPConfig, **flags))
@@ -219,6 +239,8 @@ def _scenario(name: str, world_size: int, rank: int, out: Path) -> dict:
         return _scenario_early_stop(world_size, out / name)
     if name == "nan":
         return _scenario_nan(world_size, out / name)
+    if name == "parity_odd":
+        return _scenario_parity_odd(out / name)
     # parity scenarios: "parity", "parity_accumulate" (64-true), "parity_fp32", "parity_16-mixed", ...
     kwargs = {"accumulate": 2} if name == "parity_accumulate" else {}
     if name in ("parity", "parity_accumulate"):
@@ -243,7 +265,7 @@ def job4(tmp_path_factory):
 @pytest.fixture(scope="module")
 def job2(tmp_path_factory):
     out = tmp_path_factory.mktemp("ddp2")
-    return out, run_job(_scenario, 2, out, ["parity", "parity_accumulate", "parity_fp32", "ddp_semantics",
+    return out, run_job(_scenario, 2, out, ["parity", "parity_odd", "parity_fp32", "ddp_semantics",
                                             "parity_bf16-mixed", "parity_16-mixed", "rng"], PRELOAD)
 
 
@@ -259,12 +281,20 @@ def single32(tmp_path_factory):
     return _single_run(tmp_path_factory.mktemp("single32"), batch_size=GLOBAL_BATCH, precision="64-true")
 
 
+@pytest.fixture(scope="module")
+def single_odd(tmp_path_factory):
+    """The baseline of the uneven-window scenario: one process, batch 16 (the global batch), 61 samples."""
+    out = tmp_path_factory.mktemp("single_odd")
+    single.train(make_cfg(out, Config, **ODD, batch_size=ODD_RANKS * ODD_BATCH * ODD_ACCUMULATE,
+                          precision="64-true", out_dir=str(out)))
+    return out
+
+
 # ---------------------------------------------------------------------- parity
 @pytest.mark.slow
-@pytest.mark.parametrize("world_size", [2, 4])
-@pytest.mark.parametrize("scenario", ["parity", "parity_accumulate"])
-def test_n_ranks_with_batch_b_equal_one_process_with_batch_n_times_b(world_size, scenario, job2, job4, single32):
-    out, results = {2: job2, 4: job4}[world_size]
+@pytest.mark.parametrize("world_size, scenario", [(2, "parity"), (4, "parity"), (4, "parity_accumulate")])
+def test_n_ranks_with_batch_b_equal_one_process_with_batch_n_times_b(world_size, scenario, request, single32):
+    out, results = request.getfixturevalue(f"job{world_size}")
     diff = max_param_diff(load_model_state(out / scenario / "run"), load_model_state(single32))
     assert diff <= PARITY_TOL_64, f"{world_size} ranks ({scenario}) vs one process with batch 32: {diff:.3g}"
     assert all(r[scenario]["optimizer_steps"] == 2 * 47 for r in results)  # ceil(1500 / 32) an epoch
@@ -306,10 +336,33 @@ def test_four_ranks_write_the_outputs_contract_from_rank_0(job4):
     assert not list(run_dir.glob(".*tmp*")), "no temporary files left behind"
 
 
-def test_parity_check_can_fail(job4, single32, tmp_path):
-    """The deliberately wrong pairing: one process with the per-rank batch (8), for as many steps (94)."""
-    wrong = _single_run(tmp_path / "single8", batch_size=GLOBAL_BATCH // 4, max_steps=2 * 47, precision="64-true")
-    assert max_param_diff(load_model_state(job4[0] / "parity" / "run"), load_model_state(wrong)) > 1e-3
+def _rows(run_dir: Path, split: str) -> list[dict]:
+    with open(run_dir / "metrics.csv", newline="") as f:
+        return [r for r in csv.DictReader(f) if r["split"] == split]
+
+
+def test_uneven_windows_on_two_ranks_equal_one_process(job2, single_odd):
+    """Ranks whose last windows hold different numbers of samples (7 and 6) train, log and validate as one process
+    with the global batch: each micro-batch weighs by its share of the GLOBAL window (tests/mutants/ddp.py holds the
+    known-wrong DDPs this check fails, `make mutants` runs them)."""
+    out, results = job2
+    run_dir = out / "parity_odd" / "run"
+    assert_cross_path_64(load_model_state(run_dir), load_model_state(single_odd),
+                         "2 ranks x 4 x accumulate 2 vs one process x 16 (61 samples)")
+    reference = json.loads((single_odd / "summary.json").read_text())
+    for r in results:  # every rank: the whole group's counts and the all-reduced validation
+        assert r["parity_odd"]["optimizer_steps"] == reference["optimizer_steps"] == 2 * ODD_STEPS
+        assert r["parity_odd"]["samples_seen"] == reference["samples_seen"] == 2 * 61
+        assert r["parity_odd"]["final_val_acc"] == reference["final_val_acc"]  # 15 samples, 8/7: exact counts
+        assert r["parity_odd"]["final_val_loss"] == pytest.approx(reference["final_val_loss"], rel=1e-12, abs=0)
+    # rank 0's metrics.csv logs the group's numbers: every step's train loss (the global mean) and accuracy, as
+    # the one process does (written with 8 significant digits: equal to the last one, rounded either way)
+    for split in ("train", "val"):
+        ddp_rows, ref_rows = _rows(run_dir, split), _rows(single_odd, split)
+        assert [r["step"] for r in ddp_rows] == [r["step"] for r in ref_rows]
+        assert [r["acc"] for r in ddp_rows] == [r["acc"] for r in ref_rows]
+        for d, s in zip(ddp_rows, ref_rows):
+            assert float(d["loss"]) == pytest.approx(float(s["loss"]), rel=2e-7, abs=0), (split, d["step"])
 
 
 # ---------------------------------------------------------------------- evaluation
@@ -425,5 +478,6 @@ def test_each_rank_draws_its_own_random_numbers_and_a_resume_continues_them(job2
     _, results = job2
     runs = [r["rng"] for r in results]
     assert runs[0]["a"] != runs[1]["a"]
+    micro_steps = ODD_STEPS * ODD_ACCUMULATE  # an epoch's draws: one per micro-batch
     for run in runs:
-        assert len(run["a"]) == 2 * 47 and run["c"] == run["a"][47:]
+        assert len(run["a"]) == 2 * micro_steps and run["c"] == run["a"][micro_steps:]

@@ -73,6 +73,19 @@ def test_a_run_with_tiny_patience_stops_early_and_says_so(tmp_path):
     assert (tmp_path / "run" / "best.pt").exists() and (tmp_path / "run" / "last.pt").exists()
 
 
+def test_a_resumed_run_continues_the_patience_count(tmp_path):
+    """The checkpoint holds early stopping's best and wait: a run stopped after epoch 1 and resumed stops where the
+    uninterrupted run did (epoch 2), not a patience later (a fresh EarlyStopping takes epoch 2 for a new best)."""
+    flags = dict(model="mlp", dataset="synthetic", synthetic_size=64, synthetic_shape="1,8,8", synthetic_classes=4,
+                 schedule="constant", monitor="val_acc", early_stop_patience=1, early_stop_min_delta=0.9)
+    whole = single.train(make_cfg(tmp_path, out_dir=str(tmp_path / "A"), epochs=5, **flags))
+    assert whole["stopped_early"] and whole["epochs_run"] == 2 and whole["best_epoch"] == 1
+    single.train(make_cfg(tmp_path, out_dir=str(tmp_path / "B"), epochs=1, **flags))
+    resumed = single.train(make_cfg(tmp_path, out_dir=str(tmp_path / "B"), epochs=5, resume="auto", **flags))
+    assert (resumed["stopped_early"], resumed["epochs_run"], resumed["best_epoch"]) == (True, 2, 1)
+    assert resumed["optimizer_steps"] == whole["optimizer_steps"]
+
+
 @pytest.mark.parametrize("restore", [True, False])
 def test_restore_best_reloads_the_best_weights(tmp_path, restore):
     import torch

@@ -1,0 +1,85 @@
+"""Resume (manual_train/run.py's Run.start, manual_train/checkpoint.py's resume point and checks).
+
+Most are killed by a 64-true single-process run killed in step 5 and resumed from step 4's mid-epoch last.pt on a
+short set, held bit for bit to the uninterrupted run (tests/test_checkpoint.py::
+test_a_mid_epoch_resume_on_a_short_set_is_bitwise); the world-size ones by the 4 -> 2 rank resumes of
+tests/test_world_size.py (its jobs run only the scenarios the test reads here).
+"""
+from mutants import Mutant
+
+KILL = ("tests/test_checkpoint.py::test_a_mid_epoch_resume_on_a_short_set_is_bitwise",)
+POSITION = "    return (int(ckpt[\"epoch\"]), epoch_samples_done(ckpt) // micro_batch, int(ckpt[\"step\"]),"
+# a run with dropout that stops mid-epoch (--max-steps 60 of 94) and is resumed: the gallery compares the summary of
+# the resumed run
+DEMO = ("single", 0, "--model", "mlp", "--dropout", "0.2", "--epochs", "2", "--checkpoint-every-steps", "20")
+
+MUTANTS = [
+    Mutant(
+        name="resume-no-rng-state",
+        technique="resume",
+        file="manual_train/run.py",
+        old="            restore_rng(per_rank[env.rank] if len(per_rank) == env.world_size else ckpt[\"rng\"])\n",
+        new="",
+        says="The checkpoint's RNG streams not restored (Lightning's checkpoints hold none): after a resume every "
+             "dropout mask, augmentation and worker seed differs from the uninterrupted run's.",
+        kill=KILL, demo=DEMO),
+    Mutant(
+        name="resume-no-scheduler-state",
+        technique="resume",
+        file="manual_train/run.py",
+        old="            scheduler.load_state_dict(ckpt[\"scheduler\"])\n",
+        new="",
+        says="The LR scheduler's state not loaded: the resumed run restarts the schedule (warm-up, cosine) from step "
+             "0 while the optimizer continues.",
+        kill=KILL, demo=DEMO),
+    Mutant(
+        name="resume-no-optimizer-state",
+        technique="resume",
+        file="manual_train/run.py",
+        old="        optimizer.load_state_dict(ckpt[\"optimizer\"])\n",
+        new="",
+        says="The weights loaded, the optimizer's state not: SGD's momentum (Adam's moments and step count) starts "
+             "from zero after every resume.",
+        kill=KILL, demo=DEMO),
+    Mutant(
+        name="resume-at-epoch-start",
+        technique="resume",
+        file="manual_train/checkpoint.py",
+        old=POSITION,
+        new="    return (int(ckpt[\"epoch\"]), 0, int(ckpt[\"step\"]),",
+        says="No sampler offset: a mid-epoch checkpoint resumes at its epoch's first batch, so the batches before "
+             "it are trained twice (and the epoch's last ones never, when the step budget ends first).",
+        kill=KILL, demo=DEMO),
+    Mutant(
+        name="resume-position-in-saved-micro-steps",
+        technique="resume",
+        file="manual_train/checkpoint.py",
+        old=POSITION,
+        new="    return (int(ckpt[\"epoch\"]), int(progress.get(\"micro_steps_done\", 0)), int(ckpt[\"step\"]),",
+        says="The mid-epoch position kept in the checkpoint's own micro-steps: resumed at another world size or "
+             "split of the same global batch (4 ranks x 4 -> 2 ranks x 4 x accumulate 2) it starts at the wrong "
+             "sample and replays or skips part of the epoch.",
+        kill=("tests/test_world_size.py::test_saved_at_4_resumed_at_2_ends_where_the_uninterrupted_run_does[ddp_mid]",),
+        env={"JOB_SCENARIOS": "ddp_mid,ddp_mid_at2"}),
+    Mutant(
+        name="resume-world-size-unchecked",
+        technique="resume",
+        file="manual_train/checkpoint.py",
+        old="        check_world_size_change(ckpt, cfg, world_size, flag, script)\n",
+        new="        pass\n",
+        says="A dropout run resumed at another world size without the check: N ranks' RNG streams cannot be dealt "
+             "to M ranks, every rank takes rank 0's, and the masks differ from the run's.",
+        kill=("tests/test_world_size.py::test_dropout_at_another_world_size_is_refused_and_taking_rank_0s_streams_is"
+              "_wrong",),
+        env={"JOB_SCENARIOS": "dropout_ref,dropout_boundary"}),
+    Mutant(
+        name="resume-no-early-stopping-state",
+        technique="resume",
+        file="manual_train/run.py",
+        old="            self.early.load_state_dict(ckpt[\"early_stopping\"])\n",
+        new="",
+        says="Early stopping's best and patience count not restored: a resumed run takes its first evaluation for a "
+             "new best and stops a patience later than the uninterrupted run.",
+        kill=("tests/test_early_stopping.py::test_a_resumed_run_continues_the_patience_count",),
+        demo=("single", 0, "--monitor", "val_acc", "--early-stop-patience", "2", "--epochs", "6")),
+]
