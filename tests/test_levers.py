@@ -11,6 +11,9 @@
                            refused in one line for models without blocks; a real single.py run with it
   ddp and zero ........... the DDP loop and ZeRO's FSDP2 (groups of one) with checkpointing + foreach: single.py's
                            weights within 1e-9 in 64-true
+Known-wrong variants in the levers' own code: a recompute that updates BatchNorm's statistics again fails the buffer
+check (monkeypatched here); the ddp/zero check's wrong variant is still another seed (the levers are exact by
+design in these loops; the loops' own mutants: tests/mutants/ddp.py, zero.py).
 """
 from __future__ import annotations
 
@@ -92,6 +95,17 @@ def test_checkpointing_gradients_and_buffers_equal_none(name):
         assert_cross_path_64(grads, ref_grads, f"{name} {mode}: gradients")
         if buffers:  # resnet18's BatchNorm statistics, updated once (not again in the recompute)
             assert_cross_path_64(buffers, ref_buffers, f"{name} {mode}: buffers")
+
+
+def test_a_recompute_that_updates_batchnorm_again_fails_the_buffer_check(monkeypatch):
+    """The known-wrong variant of the check above, in Recomputed's own code: its recompute finds no BatchNorm to hold
+    still (momentum kept), so resnet18's running statistics are updated in forward and again in the recompute. The
+    gradients still match; the buffers (and num_batches_tracked, counted twice) fail assert_cross_path_64."""
+    monkeypatch.setattr(torch.nn.modules.batchnorm, "_BatchNorm", type("NoBatchNorm", (), {}))
+    _, ref_buffers = _grads("resnet18", "none")
+    _, buffers = _grads("resnet18", "full")
+    with pytest.raises(AssertionError):
+        assert_cross_path_64(buffers, ref_buffers, "resnet18 full, BatchNorm updated twice: buffers")
 
 
 def test_checkpointing_lowers_the_gpt_peak_and_the_counter_sees_frees():

@@ -4,6 +4,8 @@ equal-batch evaluation (manual_train/zero.py).
 
 One real subprocess (`python launch/zero.py --impl fairscale --stage 3`: exit status 2, one line, on this CPU) and
 one in-process group of one (`python launch/zero.py` at world size 1 equals the DDP loop within 1e-9 in 64-true).
+Known-wrong variants (make mutants): zero-eval-padded-with-repeats (the equal-batch evaluation's padding),
+zero-fsdp2-optimizer-before-sharding (two sharded steps against torch.optim's, in a group of one).
 """
 from __future__ import annotations
 
@@ -182,6 +184,38 @@ def test_plain_python_is_a_group_of_one_equal_to_the_ddp_loop(tmp_path, lone_pro
     assert summary["world_size"] == 1 and summary["script"] == "zero" and summary["zero_stage"] == 2
     assert_cross_path_64(load_model_state(tmp_path / "zero" / "run"), load_model_state(tmp_path / "ddp" / "run"),
                          "FSDP2 (group of one) vs the DDP loop")
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_shards_optimizer_steps_the_parameters_forward_uses(stage, lone_process):
+    """shard() in a group of one, 64-true: two AdamW steps of the sharded model by the optimizer shard() rebuilt equal
+    two steps of an unsharded copy by torch.optim's AdamW, within 1e-9. No checkpoint is written, so an optimizer
+    built over the parameters fully_shard replaced fails here by an assertion (the model never moves), not by an
+    error in the first save (make mutants: zero-fsdp2-optimizer-before-sharding)."""
+    import copy
+
+    from manual_train.distributed import read_env, setup, teardown
+    from manual_train.models import loss_fn
+    from manual_train.optim import build_optimizer
+    from manual_train.zero import ZeroConfig, shard
+
+    cfg, cpu = ZeroConfig(optimizer="adamw", impl="torch", stage=stage, precision="64-true"), torch.device("cpu")
+    torch.manual_seed(0)
+    raw = build_model("cnn", DataInfo("digits", (1, 8, 8), 10)).double()
+    reference = copy.deepcopy(raw)
+    batches = [(torch.randn(8, 1, 8, 8, dtype=torch.float64), torch.randint(0, 10, (8,))) for _ in range(2)]
+    setup(read_env(), cpu, "gloo", 60)
+    try:
+        sharded = shard(raw, build_optimizer(cfg, raw.parameters(), 1e-2), cfg, cpu)
+        plain = build_optimizer(cfg, reference.parameters(), 1e-2)
+        for x, y in batches:
+            for model, optimizer in ((sharded.model, sharded.optimizer), (reference, plain)):
+                optimizer.zero_grad(set_to_none=True)
+                loss_fn(model(x), y).backward()
+                optimizer.step()
+        assert_cross_path_64(sharded.model_state_dict(), reference.state_dict(), f"stage {stage}: two steps")
+    finally:
+        teardown()
 
 
 def test_launch_zero_mirrors_launch_ddp():

@@ -33,6 +33,11 @@ What is proven here (docs/zero.md cites these names):
   precision ......... 16-mixed composes (FSDP2's MixedPrecisionPolicy + ShardedGradScaler; OSS + GradScaler)
   the CLI ........... torchrun launch/zero.py --stage 3 vs the DDP loop, the parity flags (64-true, two epochs; one
                       (S, I): the matrix above covers the others in-process)
+
+The known-wrong variants of torch ZeRO-1, FSDP2 and fairscale are mutants of their code (tests/mutants/zero.py), each
+killed by one case here with the job cut to its two scenarios (make mutants: zero-sharded-ddp-optimizer-zero-grad,
+zero-oss-clip-local-norm, zero-fsdp2-clip-local-shard-norm by the parity matrix; zero-optimizer-state-not-consolidated
+by the checkpoint check; zero-fsdp2-reshard-after-forward-inverted by the stage 3 memory check).
 """
 from __future__ import annotations
 
