@@ -14,6 +14,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from manual_train.cli import run
 from manual_train.loops import apex_o2, single
 from manual_train.precision import DynamicLossScaler, O2Config, O2Forward, O2Masters, cast_o2
+from manual_train.runtime import TrainingDiverged
 
 
 # ---------------------------------------------------------------------- the dynamic loss scaler alone
@@ -116,15 +117,40 @@ def test_o2_masters_round_trip_into_masters_and_the_fp16_copy():
     assert raw.conv.weight.dtype == torch.float16  # loading does not undo the cast
 
 
+def train_or_fail(loop, cfg) -> dict:
+    """loop.train(cfg); a run that diverges (the loop's NaN abort) fails the test: the pairings below train well."""
+    try:
+        return loop.train(cfg)
+    except TrainingDiverged as e:
+        pytest.fail(f"{loop.__name__} diverged: {e}")
+
+
 def test_o2_equals_native_fp16_autocast_without_batchnorm(tmp_path):
     """With no BatchNorm, O2's fp16 model computes the ops autocast(float16) computes, on the same rounded
     weights, and both step fp32 weights: the two trajectories agree to rounding."""
     a = single.train(make_cfg(tmp_path, out_dir=str(tmp_path / "amp"), precision="16-mixed", model="mlp",
                               max_steps=40))
-    b = apex_o2.train(make_cfg(tmp_path, O2Config, out_dir=str(tmp_path / "o2"), model="mlp", max_steps=40))
+    b = train_or_fail(apex_o2, make_cfg(tmp_path, O2Config, out_dir=str(tmp_path / "o2"), model="mlp", max_steps=40))
     wa = torch.load(tmp_path / "amp" / "last.pt", weights_only=True)["model"]
     wb = torch.load(tmp_path / "o2" / "last.pt", weights_only=True)["model"]
-    assert max_param_diff(wa, wb) < 1e-6 and a["final_val_loss"] == pytest.approx(b["final_val_loss"], rel=1e-5)
+    diff = max_param_diff(wa, wb)
+    assert diff < 1e-6, f"16-o2 vs 16-mixed: max abs diff {diff:.3g} (bound 1e-6)"
+    assert a["final_val_loss"] == pytest.approx(b["final_val_loss"], rel=1e-5)
+
+
+def test_o2_equals_native_fp16_autocast_with_gradient_clipping(tmp_path):
+    """The same pairing with --grad-clip 0.1 (below the mlp's gradient norm: every step clips): both clip the true,
+    unscaled gradients, O2 its fp32 masters', 16-mixed its weights' after scaler.unscale_, so the trajectories still
+    agree to rounding. Clipping the scaled gradients, or gradients that are no longer there, does not."""
+    flags = dict(model="mlp", max_steps=40, grad_clip=0.1)
+    a = train_or_fail(single, make_cfg(tmp_path, out_dir=str(tmp_path / "amp"), precision="16-mixed", **flags))
+    b = train_or_fail(apex_o2, make_cfg(tmp_path, O2Config, out_dir=str(tmp_path / "o2"), **flags))
+    wa = torch.load(tmp_path / "amp" / "last.pt", weights_only=True)["model"]
+    wb = torch.load(tmp_path / "o2" / "last.pt", weights_only=True)["model"]
+    diff = max_param_diff(wa, wb)
+    print(f"16-o2 vs 16-mixed, --grad-clip 0.1: max abs diff {diff:.3g}")
+    assert diff < 1e-6, f"16-o2 vs 16-mixed, --grad-clip 0.1: max abs diff {diff:.3g} (bound 1e-6)"
+    assert a["final_val_loss"] == pytest.approx(b["final_val_loss"], rel=1e-5)
 
 
 # ---------------------------------------------------------------------- the flags

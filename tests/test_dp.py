@@ -4,16 +4,20 @@ Parity, proven in 64-true (float64; docs/parity.md) within PARITY_TOL_64 = 1e-9 
 explicit replicate/scatter/parallel_apply/gather over 2 chunks (batch 32: 16 + 16, the last batch 28: 14 + 14; 94
 steps) and over 3 uneven chunks with accumulation (batch 14: 5 + 5 + 4, x accumulate 2; each epoch's last
 micro-batch has 2 samples, so 2 chunks over 3 devices, and its last window 16 samples; 108 steps) trains the
-baseline's weights; nn.DataParallel on a host without CUDA is the plain module (bitwise). The known-wrong variant,
-each chunk's mean loss averaged over the chunks (the short chunk's samples over-weighted), fails the same check by
-orders of magnitude. The fp32 pairing (mlp, 3 chunks, the same horizon) is held to a noise floor measured in the
-same test (conftest.fp32_noise_floor). Measured 2026-12-01 (2-core Xeon VM, AVX-512, torch 2.14.1): 64-true 2
-chunks 1.1e-16, 3 chunks 1.1e-16, wrong weights 5.3e-2; fp32 1.2e-7 against a floor of 2.3e-7, wrong weights 2.8e-2.
+baseline's weights; nn.DataParallel on a host without CUDA is the plain module (bitwise). The same proof on a short
+set (mlp, 88 synthetic samples, 3 uneven chunks x accumulate 2; seconds) is what `make mutants` runs against the
+catalogue's dataparallel mutants (tests/mutants/data_parallel.py). The known-wrong variant hits the technique's own
+code: parallel.replicate making copies whose gradients are never reduced into the module on the main device (only the
+first chunk trains); it fails the short check by orders of magnitude. The fp32 pairing (mlp, 3 chunks, the digits
+horizon) is held to a noise floor measured in the same test (conftest.fp32_noise_floor). Measured 2026-12-01 (2-core
+Xeon VM, AVX-512, torch 2.14.1): 64-true 2 chunks 1.1e-16, 3 chunks 1.1e-16; fp32 1.2e-7 against a floor of 2.3e-7.
+Measured 2026-12-02 (same VM): the replicas without the reduction 6.2e-2 on the short set.
 Also: the gradient identities behind it (float64), resume, bad input, the outputs contract. (The loop's markers
 and diff budget are tests/test_docs.py's.)
 """
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 from types import SimpleNamespace
@@ -22,8 +26,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-from conftest import (assert_same_path_bitwise, assert_cross_path_64, FP32_MODEL, PARITY_TOL_64, assert_within_fp32_floor, fp32_noise_floor, load_model_state,
-                      make_cfg, max_param_diff, needs_cuda, run_script, train_state)
+from conftest import (FP32_MODEL, PARITY_TOL_64, assert_cross_path_64, assert_same_path_bitwise,
+                      assert_within_fp32_floor, fp32_noise_floor, load_model_state, make_cfg, max_param_diff,
+                      needs_cuda, run_script, train_state)
 from manual_train import parallel
 from manual_train.checkpoint import REQUIRED_KEYS
 from manual_train.cli import run as cli_run
@@ -57,13 +62,15 @@ def baselines(tmp_path_factory):
     return get
 
 
-def mean_of_chunk_means(n_chunks):
-    """The wrong combination: each chunk's mean loss, averaged over the chunks (tensor.chunk's sizes, as scatter's):
-    with uneven chunks the short chunk's samples weigh more than the others."""
-    def loss(logits, y):
-        pairs = list(zip(logits.chunk(n_chunks), y.chunk(n_chunks)))
-        return sum(loss_fn(lc, yc) for lc, yc in pairs) / len(pairs)
-    return loss
+real_replicate = parallel.replicate
+
+
+def replicas_without_the_reduction(module, devices):
+    """The known-wrong variant of parallel.replicate (the technique's own step, which ExplicitDataParallel calls at
+    every forward): the first device keeps the module, every other device gets a copy (copy.deepcopy, as a
+    hand-written DataParallel makes them), and nothing sums the copies' gradients back into the module on the main
+    device (CUDA's replicate does: its backward is a reduce-add). Only the first chunk's samples train the weights."""
+    return [module] + [copy.deepcopy(module) for _ in devices[1:]]
 
 
 def train_dp(tmp_path, name, devices, batch_size, accumulate, **flags):
@@ -86,18 +93,40 @@ def test_explicit_dp_equals_baseline(tmp_path, baselines, case):
     assert summary["global_batch_size"] == batch_size * accumulate and summary["devices"] == devices.split(",")
 
 
-def test_wrong_chunk_weights_fail_the_same_check(tmp_path, baselines, monkeypatch):
-    """The chunks' mean losses averaged (5 + 5 + 4: each sample of the short chunk weighs 1/12, the others 1/15
-    instead of 1/14 each): far outside 1e-9."""
-    devices, batch_size, accumulate = CASES["3 uneven chunks"]
-    base, _ = baselines(batch_size, accumulate, **PARITY)
-    monkeypatch.setattr(data_parallel, "loss_fn", mean_of_chunk_means(3))
-    wrong, _ = train_dp(tmp_path, "wrong", devices, batch_size, accumulate, **PARITY)
-    assert max_param_diff(base, wrong) > 1e6 * PARITY_TOL_64  # measured 5.3e-2
+# A short set for the same proof in seconds (make mutants runs it against each dataparallel mutant): the mlp on 88
+# synthetic samples, batch 14 over 3 devices (5 + 5 + 4) x accumulate 2; each epoch's last micro-batch holds 4 samples
+# (2 + 2: two chunks for three devices) and is its last window: 4 windows an epoch, 8 steps.
+SHORT = dict(model="mlp", dataset="synthetic", synthetic_size=88, synthetic_shape="1,8,8", synthetic_classes=4,
+             epochs=2, precision="64-true", log_every=1)
 
 
-def test_fp32_explicit_dp_within_the_noise_floor_and_wrong_chunk_weights_are_not(tmp_path, baselines, monkeypatch):
-    """fp32 (mlp), 3 uneven chunks, two epochs: within 10 one-ulp drifts of the baseline; the wrong weights not."""
+def test_explicit_dp_equals_baseline_on_a_short_set(tmp_path, baselines):
+    """64-true, 3 uneven chunks, accumulate 2, two epochs of 88 samples: within 1e-9 of the single-device loop, with
+    the baseline's step count and samples, and the global batch of one process (the batch is split, not multiplied)."""
+    base, base_summary = baselines(14, 2, **SHORT)
+    state, summary = train_dp(tmp_path, "dp", "cpu,cpu,cpu", 14, 2, **SHORT)
+    assert summary["optimizer_steps"] == base_summary["optimizer_steps"] == 8
+    assert summary["samples_seen"] == base_summary["samples_seen"] == 2 * 88
+    assert summary["global_batch_size"] == base_summary["global_batch_size"] == 28
+    assert_cross_path_64(state, base, "3 uneven chunks vs one device (88 samples)")
+
+
+def test_replicas_without_the_gradient_reduction_fail_the_same_check(tmp_path, baselines, monkeypatch):
+    """The known-wrong variant in the technique's own code: parallel.replicate's copies, whose gradients never reach
+    the module on the main device (only the first chunk trains), fails the short set's check by orders of
+    magnitude."""
+    base, _ = baselines(14, 2, **SHORT)
+    monkeypatch.setattr(parallel, "replicate", replicas_without_the_reduction)
+    wrong, _ = train_dp(tmp_path, "wrong", "cpu,cpu,cpu", 14, 2, **SHORT)
+    print(f"replicas without the reduction vs one device: {max_param_diff(base, wrong):.3g}")
+    with pytest.raises(AssertionError, match="64-true max abs diff"):
+        assert_cross_path_64(wrong, base, "replicas without the reduction vs one device (88 samples)")
+
+
+def test_fp32_explicit_dp_within_the_noise_floor_and_replicas_without_the_reduction_are_not(tmp_path, baselines,
+                                                                                             monkeypatch):
+    """fp32 (mlp), 3 uneven chunks, two epochs: within 10 one-ulp drifts of the baseline; replicas whose gradients
+    never reach the main device not."""
     devices, batch_size, accumulate = CASES["3 uneven chunks"]
     flags = dict(model=FP32_MODEL, epochs=2, log_every=10)
     base, _ = baselines(batch_size, accumulate, **flags)
@@ -105,10 +134,10 @@ def test_fp32_explicit_dp_within_the_noise_floor_and_wrong_chunk_weights_are_not
                                                       accumulate=accumulate, **flags)[0], base)
     state, _ = train_dp(tmp_path, "dp", devices, batch_size, accumulate, **flags)
     assert_within_fp32_floor(max_param_diff(base, state), floor, "3 chunks vs one device")
-    monkeypatch.setattr(data_parallel, "loss_fn", mean_of_chunk_means(3))
+    monkeypatch.setattr(parallel, "replicate", replicas_without_the_reduction)
     wrong, _ = train_dp(tmp_path, "wrong", devices, batch_size, accumulate, **flags)
     with pytest.raises(AssertionError):
-        assert_within_fp32_floor(max_param_diff(base, wrong), floor, "mean of chunk means vs one device")
+        assert_within_fp32_floor(max_param_diff(base, wrong), floor, "replicas without the reduction vs one device")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the fallback exists only on hosts without CUDA")

@@ -9,11 +9,13 @@ weights of one process with batch 2b, and evaluate exactly. One torchrun launch 
 The parity proofs run in 64-true (float64; docs/parity.md) within PARITY_TOL_64 = 1e-9, over two epochs: dp-mp on
 test_mp.SEQ_PARITY's horizon (205 samples, 42 SGD steps, each epoch's last batch 5 = 3 + 2 over a group of two),
 ddp-mp on 260 samples x 2 epochs with accumulate 2 (each epoch's last window partial; 14 steps). Known-wrong
-variants fail the same checks: the article's wrapping (the decoder's wrapper not holding the model's decoder, which is
-then never trained) and, for ddp-mp, one process with the per-rank batch. The fp32 pairing (dp-mp explicit, the same
-horizon, seq2seq) is held to a noise floor measured in the same test. Measured 2026-12-01 (2-core Xeon VM, AVX-512,
-torch 2.14.1): dp-mp torch 0.0, explicit 4.4e-16, the article's wrapping 1.3; ddp-mp 2.2e-16, the per-rank batch
-0.32; fp32 explicit 2.4e-7 against a floor of 4.8e-7, the article's wrapping 1.3. ddp-mp on 61 samples (two epochs,
+variants of the technique's own code fail the same checks: the article's wrapping (the decoder's wrapper not holding
+the model's decoder, which is then never trained) and, for ddp-mp, DistributedSampler's padding (below); the
+catalogue's hybrid mutants (tests/mutants/hybrid.py: no_sync() inverted, the weight without x N, the ranks' device
+pairs, the counts) fail these tests. The fp32 pairing (dp-mp explicit, the same horizon, seq2seq) is held to a noise
+floor measured in the same test. Measured 2026-12-01 (2-core Xeon VM, AVX-512, torch 2.14.1): dp-mp torch 0.0,
+explicit 4.4e-16, the article's wrapping 1.3; ddp-mp 2.2e-16 (no_sync() inverted: 5.0e-2, 2026-12-02); fp32 explicit
+2.4e-7 against a floor of 4.8e-7, the article's wrapping 1.3. ddp-mp on 61 samples (two epochs,
 64-true; 2026-12-02, 2-core AMD EPYC VM): 2.2e-16, accumulate 2 5.6e-17; the known-wrong variant, DistributedSampler's
 padding (pad=True), 0.13 (the loop as it was before it passed pad=False: 0.11, and samples_seen 124 for 122).
 """
@@ -38,6 +40,7 @@ from manual_train.checkpoint import REQUIRED_KEYS
 from manual_train.cli import run as cli_run
 from manual_train.config import Config
 from manual_train.data import ReverseDigits
+from manual_train.distributed import DistEnv
 from manual_train.loops import hybrid, model_parallel, single
 from manual_train.metrics import CSV_COLUMNS, SUMMARY_KEYS
 from manual_train.models import Seq2Seq
@@ -116,9 +119,7 @@ def test_dp_mp_equals_baseline(tmp_path, baseline, impl):
     two epochs, within 1e-9 (measured torch 0.0, explicit 4.4e-16)."""
     base, base_summary = baseline
     state, summary = train_dp_mp(tmp_path, "h", impl, **SEQ_PARITY)
-    assert all(v.dtype == torch.float64 for v in state.values())
-    diff = max_param_diff(base, state)
-    assert diff <= PARITY_TOL_64, f"{impl}: {diff:.3g}"
+    assert_cross_path_64(state, base, f"dp-mp {impl} vs one device")  # float64 tensors, within 1e-9
     assert summary["optimizer_steps"] == base_summary["optimizer_steps"] == 42
     assert summary["final_val_loss"] == pytest.approx(base_summary["final_val_loss"], rel=1e-9)
     assert (summary["encoder_devices"], summary["decoder_devices"]) == (["cpu", "cpu"], ["cpu", "cpu"])
@@ -166,7 +167,8 @@ def test_ddp_mp_two_ranks_equal_one_process_with_twice_the_batch(tmp_path):
     """2 ranks x batch 10 x accumulate 2 (no_sync on the first micro-step) == 1 process x batch 20 x accumulate 2, in
     64-true over two epochs, each with a partial last window (130 samples per rank: 13 micro-batches, 7 windows).
     65 validation samples split 33/32: the all-reduced sums give the single process's val loss and accuracy (a
-    padded sampler would count one sample twice). The wrong pairing, one process with the per-rank batch, fails."""
+    padded sampler would count one sample twice). The known-wrong variants are the loop's own: no_sync() inverted
+    (tests/mutants/hybrid.py) fails this check; DistributedSampler's padding fails the 61-sample one below."""
     common = dict(SEQ, synthetic_size=260, epochs=2, max_steps=None, accumulate=2, precision="64-true")
     out_dir = tmp_path / "ddp"
     argv = [f"--{k.replace('_', '-')}={v}" for k, v in common.items() if k not in ("max_steps", "batch_size")]
@@ -176,9 +178,7 @@ def test_ddp_mp_two_ranks_equal_one_process_with_twice_the_batch(tmp_path):
     ref, ref_summary = train_state(single, Config, tmp_path, "single", **dict(common, batch_size=20))
     ranks = load_model_state(out_dir)
     assert all(v.dtype == torch.float64 for v in ranks.values())
-    assert max_param_diff(ref, ranks) <= PARITY_TOL_64  # measured 2.2e-16
-    wrong, _ = train_state(single, Config, tmp_path, "wrong", **dict(common, batch_size=10))
-    assert max_param_diff(wrong, ranks) > 1e6 * PARITY_TOL_64  # measured 0.32
+    assert_cross_path_64(ranks, ref, "ddp-mp 2 x 10 vs one process x 20")  # measured 2.2e-16
     summary = json.loads((out_dir / "summary.json").read_text())
     assert summary["final_val_acc"] == ref_summary["final_val_acc"]
     assert summary["final_val_loss"] == pytest.approx(ref_summary["final_val_loss"], rel=1e-9)
@@ -215,7 +215,8 @@ def _uneven_scenario(name: str, world_size: int, rank: int, out) -> dict:
         if name == "padded":  # the known-wrong variant: the same loop with pad=True
             patch.setattr(hybrid.data, "train_sampler", padded_train_sampler)
         summary = hybrid.train(make_cfg(out / name, hybrid.HybridConfig, mode="ddp-mp", devices="cpu,cpu", **flags))
-    return {k: summary[k] for k in ("final_val_loss", "final_val_acc", "optimizer_steps", "samples_seen")}
+    return {k: summary[k] for k in ("final_val_loss", "final_val_acc", "optimizer_steps", "samples_seen",
+                                    "global_batch_size")}
 
 
 @pytest.fixture(scope="module")
@@ -236,15 +237,18 @@ def uneven_single(tmp_path_factory):
 def test_ddp_mp_on_a_set_the_ranks_do_not_divide_equals_one_process(uneven_job, uneven_single, scenario):
     """2 ranks x batch 10 on 61 samples (shards 31/30, no repeats; rank 1's last micro-batch empty) == 1 process x
     batch 20, 64-true, two epochs, within 1e-9 (measured 2.2e-16; accumulate 2: 5.6e-17). Each sample counts once in
-    samples_seen (the old line, x.shape[0] x N per micro-step, counted the repeat: 124)."""
+    samples_seen (the old line, x.shape[0] x N per micro-step, counted the repeat: 124), and the global batch is
+    every rank's."""
     out, results = uneven_job
     accumulate = 2 if scenario == "uneven_accumulate" else 1
     ref, ref_summary = uneven_single[accumulate]
-    assert_cross_path_64(load_model_state(out / scenario / "run"), ref, f"ddp-mp 2 x 10 on 61 samples ({scenario})")
     assert ref_summary["samples_seen"] == 2 * 61 and ref_summary["optimizer_steps"] == 8 // accumulate
-    for r in results:  # every rank's summary
+    for r in results:  # every rank's counts
         assert r[scenario]["samples_seen"] == ref_summary["samples_seen"]
+        assert r[scenario]["global_batch_size"] == ref_summary["global_batch_size"] == 20 * accumulate
         assert r[scenario]["optimizer_steps"] == ref_summary["optimizer_steps"]
+    assert_cross_path_64(load_model_state(out / scenario / "run"), ref, f"ddp-mp 2 x 10 on 61 samples ({scenario})")
+    for r in results:  # every rank's evaluation of the full validation set
         assert r[scenario]["final_val_acc"] == ref_summary["final_val_acc"]  # 15 samples, shards 8/7
         assert r[scenario]["final_val_loss"] == pytest.approx(ref_summary["final_val_loss"], rel=1e-9)
 
@@ -258,6 +262,18 @@ def test_ddp_mp_with_the_samplers_padding_fails_the_same_check(uneven_job, uneve
     print(f"ddp-mp with pad=True vs one process: {max_param_diff(padded, ref):.3g}")
     with pytest.raises(AssertionError, match="64-true max abs diff"):
         assert_cross_path_64(padded, ref, "ddp-mp with pad=True on 61 samples")
+
+
+def test_ddp_mp_each_local_rank_takes_its_own_pair(monkeypatch):
+    """Rank r of a node takes entries 2r and 2r+1 of --devices (auto: cuda:2r, cuda:2r+1): 4 ranks on 8 GPUs share
+    none. (This host is told it has 8 GPUs: device_groups only names them.)"""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    for devices in ("auto", parallel.cuda_list(8)):
+        cfg = hybrid.HybridConfig(mode="ddp-mp", devices=devices)
+        pairs = [cfg.device_groups(DistEnv(rank=r, local_rank=r, world_size=4, local_world_size=4, launched=True))
+                 for r in range(4)]
+        assert pairs == [([torch.device(f"cuda:{2 * r}")], [torch.device(f"cuda:{2 * r + 1}")]) for r in range(4)]
 
 
 def test_defaults_are_mp_py_task_and_budget():

@@ -5,11 +5,14 @@ model computes the one-device model's outputs and gradients, with and without mi
 baseline's weights over two epochs of the reverse task (SEQ_PARITY: conftest.SEQ's settings, 205 samples so that
 each epoch ends in a batch of 5, cut into micro-batches 2 + 2 + 1; 42 SGD steps). Two epochs instead of SEQ's 6
 steps because they are cheap (a run takes about 1 s here, in float64 as in fp32) and cross an epoch boundary and a
-partial batch. The known-wrong variant, the micro-batches' mean losses averaged (4 + 4 + 2: the short micro-batch's
-samples over-weighted), fails the same check. The fp32 pairing (seq2seq, M = 3, the same horizon) is held to a noise
-floor measured in the same test (conftest.fp32_noise_floor). Measured 2026-12-01 (2-core Xeon VM, AVX-512, torch
-2.14.1): 64-true M = 1 0.0, M = 3 4.4e-16, the wrong weighting 8.4e-2; fp32 M = 3 2.4e-7 against a floor of 4.8e-7,
-the wrong weighting 8.4e-2. The fill-drain schedule and its bubble arithmetic are checked against each other.
+partial batch. The known-wrong variant hits the technique's own code: split_encoder_decoder with the encoder's hidden
+state crossing to the decoder's device detached (backward stops at the hop; the encoder never trains) fails the same
+check; the catalogue's model-parallel mutants (tests/mutants/model_parallel.py: the micro-batches' mean losses
+averaged, the hops detached, the halves copied, the schedule without its drain) fail these tests. The fp32 pairing
+(seq2seq, M = 3, the same horizon) is held to a noise floor measured in the same test (conftest.fp32_noise_floor).
+Measured 2026-12-01 (2-core Xeon VM, AVX-512, torch 2.14.1): 64-true M = 1 0.0, M = 3 4.4e-16; fp32 M = 3 2.4e-7
+against a floor of 4.8e-7; 2026-12-02: the detached hop 0.19 (64-true and fp32). The fill-drain schedule and its
+bubble arithmetic are checked against each other.
 """
 from __future__ import annotations
 
@@ -19,8 +22,8 @@ import json
 import pytest
 import torch
 
-from conftest import (assert_same_path_bitwise, FP32_MODEL, PARITY_TOL_64, SEQ, assert_within_fp32_floor, cuda_devices,
-                      fp32_noise_floor, max_param_diff, run_script, train_state)
+from conftest import (FP32_MODEL, PARITY_TOL_64, SEQ, assert_cross_path_64, assert_same_path_bitwise,
+                      assert_within_fp32_floor, cuda_devices, fp32_noise_floor, max_param_diff, run_script, train_state)
 from manual_train import parallel
 from manual_train.cli import run as cli_run
 from manual_train.config import Config
@@ -37,13 +40,27 @@ SEQ_FP32 = dict(SEQ_PARITY, precision="32-true")  # the fp32 pairing: the same r
 assert FP32_MODEL != SEQ["model"]  # (the seq2seq tests keep their model in fp32)
 
 
-def mean_of_chunk_means(n_chunks):
-    """The wrong combination: each micro-batch's mean loss, averaged over the micro-batches (tensor.chunk's sizes,
-    the pipeline's): with uneven micro-batches the short one's samples weigh more than the others."""
-    def loss(logits, y):
-        pairs = list(zip(logits.chunk(n_chunks), y.chunk(n_chunks)))
-        return sum(loss_fn(lc, yc) for lc, yc in pairs) / len(pairs)
-    return loss
+real_split_encoder_decoder = parallel.split_encoder_decoder
+
+
+class Detached(torch.nn.Module):
+    """A module whose output leaves autograd's graph (h.detach(), or a copy rebuilt from its values)."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args):
+        return self.module(*args).detach()
+
+
+def split_with_a_detached_hop(model, devices, microbatches=1):
+    """The known-wrong variant of parallel.split_encoder_decoder (the technique's own code): the encoder's hidden state
+    crosses to the decoder's device detached, as `h.detach().to(B)` or a tensor rebuilt on B would, so backward stops
+    at the hop: the decoder trains, the encoder keeps its initial weights."""
+    split = real_split_encoder_decoder(model, devices, microbatches)
+    split.encoder = Detached(split.encoder)
+    return split
 
 
 def batch(n=10):
@@ -138,32 +155,31 @@ def test_mp_loop_equals_baseline(tmp_path, baseline, microbatches):
     """64-true, two epochs: within 1e-9 of the single-device loop (measured: M = 1 0.0, M = 3 4.4e-16)."""
     base, base_summary = baseline
     state, summary = train_mp(tmp_path, "mp", microbatches, **SEQ_PARITY)
-    assert all(v.dtype == torch.float64 for v in state.values())
-    diff = max_param_diff(base, state)
-    assert diff <= PARITY_TOL_64, f"M = {microbatches}: {diff:.3g}"
+    assert_cross_path_64(state, base, f"split, M = {microbatches}, vs one device")  # float64 tensors, within 1e-9
     assert summary["optimizer_steps"] == base_summary["optimizer_steps"] == 42
     assert summary["final_val_loss"] == pytest.approx(base_summary["final_val_loss"], rel=1e-9)
     assert summary["bubble_fraction"] == pytest.approx(1 / (microbatches + 1))
 
 
-def test_averaged_microbatch_losses_fail_the_same_check(tmp_path, baseline, monkeypatch):
-    """The micro-batches' mean losses averaged (4 + 4 + 2: the 2-sample micro-batch's samples weigh 1/6 instead of
-    1/10): far outside 1e-9."""
-    monkeypatch.setattr(model_parallel, "loss_fn", mean_of_chunk_means(3))
+def test_a_detached_hop_fails_the_same_check(tmp_path, baseline, monkeypatch):
+    """The split with the encoder's hidden state crossing detached (M = 3): the encoder never trains, far outside
+    1e-9."""
+    monkeypatch.setattr(parallel, "split_encoder_decoder", split_with_a_detached_hop)
     wrong, _ = train_mp(tmp_path, "wrong", 3, **SEQ_PARITY)
-    assert max_param_diff(baseline[0], wrong) > 1e6 * PARITY_TOL_64  # measured 8.4e-2
+    print(f"a detached hop vs one device: {max_param_diff(baseline[0], wrong):.3g}")
+    assert max_param_diff(baseline[0], wrong) > 1e6 * PARITY_TOL_64
 
 
-def test_fp32_mp_within_the_noise_floor_and_averaged_microbatch_losses_are_not(tmp_path, monkeypatch):
-    """fp32 (seq2seq, M = 3, two epochs): within 10 one-ulp drifts of the baseline; the wrong weighting is not."""
+def test_fp32_mp_within_the_noise_floor_and_a_detached_hop_is_not(tmp_path, monkeypatch):
+    """fp32 (seq2seq, M = 3, two epochs): within 10 one-ulp drifts of the baseline; a detached hop is not."""
     base, _ = train_state(single, Config, tmp_path, "single", **SEQ_FP32)
     floor = fp32_noise_floor(lambda name: train_state(single, Config, tmp_path, name, **SEQ_FP32)[0], base)
     state, _ = train_mp(tmp_path, "mp", 3, **SEQ_FP32)
     assert_within_fp32_floor(max_param_diff(base, state), floor, "split, M = 3, vs one device")
-    monkeypatch.setattr(model_parallel, "loss_fn", mean_of_chunk_means(3))
+    monkeypatch.setattr(parallel, "split_encoder_decoder", split_with_a_detached_hop)
     wrong, _ = train_mp(tmp_path, "wrong", 3, **SEQ_FP32)
     with pytest.raises(AssertionError):
-        assert_within_fp32_floor(max_param_diff(base, wrong), floor, "averaged micro-batch losses vs one device")
+        assert_within_fp32_floor(max_param_diff(base, wrong), floor, "a detached hop vs one device")
 
 
 def test_resume_continues_exactly(tmp_path):
