@@ -142,7 +142,8 @@ def demo_run(root: Path, demo: tuple, out: Path) -> dict:
         return {"error": f"hung: no end after {DEMO_TIMEOUT_S} s"}
     if proc.returncode != 0:
         lines = [line for line in proc.stderr.splitlines() if line.strip()]
-        errors = [line for line in lines if "Error" in line or line.startswith("error:")]
+        errors = [line for line in lines if ("Error" in line or line.startswith("error:"))
+                  and "ChildFailedError" not in line]  # torchrun's own summary names no cause: the rank's line does
         return {"error": f"exit {proc.returncode}: {(errors or lines or [''])[-1][:200]}"}
     summary = json.loads((out / "summary.json").read_text())
     return {k: summary.get(k) for k in ("final_val_loss", "final_val_acc", "optimizer_steps", "samples_seen")}
