@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 from contextlib import contextmanager
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -211,3 +213,56 @@ def lone_process():
     yield
     os.environ.clear()
     os.environ.update(saved)
+
+
+# ---------------------------------------------------------------------- resume: a real one, not a rerun
+def targets_trained_on(loop, cfg) -> tuple[dict, list]:
+    """loop.train(cfg) with the loop module's loss_fn recording the targets of each call (one call per micro-step):
+    what the run trained on, in order. Returns (summary, [each micro-batch's targets, as lists])."""
+    seen = []
+    real_loss_fn = loop.loss_fn
+
+    def recording_loss_fn(logits, y):
+        seen.append(y.tolist())
+        return real_loss_fn(logits, y)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(loop, "loss_fn", recording_loss_fn)
+        summary = loop.train(cfg)
+    return summary, seen
+
+
+def resume_runs(tmp_path, loop, config_cls, **common) -> SimpleNamespace:
+    """The resume proof's runs (accumulate 1: a micro-step is an optimizer step), each recording what it trained on:
+    `straight`, 6 steps; 3 steps, then `resumed` on to 6 with --resume auto; and the known-wrong variant `ignored`:
+    on to 6 from the 3-step checkpoint (--resume PATH, into a new --out-dir) with --resume accepted, then never
+    loaded (cfg.resume_path() None), i.e. a rerun from scratch. Each: (final weights, summary, targets)."""
+    def run(name, **flags):
+        summary, seen = targets_trained_on(loop, make_cfg(tmp_path / name, config_cls, **dict(common, **flags)))
+        return load_model_state(tmp_path / name / "run"), summary, seen
+
+    straight = run("a", max_steps=6)
+    loop.train(make_cfg(tmp_path / "b", config_cls, **dict(common, max_steps=3)))
+    three_steps = shutil.copy(tmp_path / "b" / "run" / "last.pt", tmp_path / "three_steps.pt")  # b's is rewritten
+    resumed = run("b", max_steps=6, resume="auto")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(config_cls, "resume_path", lambda self: None)
+        ignored = run("c", max_steps=6, resume=str(three_steps))
+    print(f"{loop.__name__}: micro-batches trained straight {len(straight[2])}, resumed {len(resumed[2])}, "
+          f"with --resume ignored {len(ignored[2])}")
+    return SimpleNamespace(straight=straight, resumed=resumed, ignored=ignored)
+
+
+def assert_resumes_not_reruns(tmp_path, loop, config_cls, **common) -> None:
+    """--resume: 3 steps, then on to 6, gives the weights of 6 steps straight (constant LR: no schedule length), and
+    the resumed call trains only the 3 remaining micro-batches, the straight run's last 3. A rerun from scratch
+    (--resume ignored) ends in the same weights, so the weights alone cannot tell; it trains all 6 and fails there."""
+    runs = resume_runs(tmp_path, loop, config_cls, **common)
+    straight, _, straight_seen = runs.straight
+    weights, summary, seen = runs.resumed
+    assert summary["optimizer_steps"] == 6 and summary["samples_seen"] == 60
+    assert_same_path_bitwise(straight, weights, "resumed vs 6 steps straight")
+    assert len(straight_seen) == 6 and seen == straight_seen[3:]  # only the remaining steps, on their samples
+    weights, summary, seen = runs.ignored  # the known-wrong variant: the weights check passes, this one does not
+    assert_same_path_bitwise(straight, weights, "a rerun from scratch vs 6 steps straight")
+    assert seen != straight_seen[3:] and seen == straight_seen

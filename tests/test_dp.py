@@ -19,16 +19,13 @@ from __future__ import annotations
 
 import copy
 import json
-import shutil
-from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn as nn
 
-from conftest import (FP32_MODEL, PARITY_TOL_64, assert_cross_path_64, assert_same_path_bitwise,
-                      assert_within_fp32_floor, fp32_noise_floor, load_model_state, make_cfg, max_param_diff,
-                      needs_cuda, run_script, train_state)
+from conftest import (FP32_MODEL, PARITY_TOL_64, assert_cross_path_64, assert_resumes_not_reruns,
+                      assert_within_fp32_floor, fp32_noise_floor, max_param_diff, needs_cuda, run_script, train_state)
 from manual_train import parallel
 from manual_train.checkpoint import REQUIRED_KEYS
 from manual_train.cli import run as cli_run
@@ -213,58 +210,12 @@ def test_explicit_forward_with_fewer_samples_than_devices():
         assert not explicit(x).requires_grad
 
 
-# ---------------------------------------------------------------------- resume: a real one, not a rerun
-def targets_trained_on(loop, cfg) -> tuple[dict, list]:
-    """loop.train(cfg) with the loop module's loss_fn recording the targets of each call (one call per micro-step):
-    what the run trained on, in order. Returns (summary, [each micro-batch's targets, as lists])."""
-    seen = []
-    real_loss_fn = loop.loss_fn
-
-    def recording_loss_fn(logits, y):
-        seen.append(y.tolist())
-        return real_loss_fn(logits, y)
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(loop, "loss_fn", recording_loss_fn)
-        summary = loop.train(cfg)
-    return summary, seen
-
-
-def resume_runs(tmp_path, loop, config_cls, **common) -> SimpleNamespace:
-    """The resume proof's runs (accumulate 1: a micro-step is an optimizer step), each recording what it trained on:
-    `straight`, 6 steps; 3 steps, then `resumed` on to 6 with --resume auto; and the known-wrong variant `ignored`:
-    on to 6 from the 3-step checkpoint (--resume PATH, into a new --out-dir) with --resume accepted, then never
-    loaded (cfg.resume_path() None), i.e. a rerun from scratch. Each: (final weights, summary, targets)."""
-    def run(name, **flags):
-        summary, seen = targets_trained_on(loop, make_cfg(tmp_path / name, config_cls, **dict(common, **flags)))
-        return load_model_state(tmp_path / name / "run"), summary, seen
-
-    straight = run("a", max_steps=6)
-    loop.train(make_cfg(tmp_path / "b", config_cls, **dict(common, max_steps=3)))
-    three_steps = shutil.copy(tmp_path / "b" / "run" / "last.pt", tmp_path / "three_steps.pt")  # b's is rewritten
-    resumed = run("b", max_steps=6, resume="auto")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(config_cls, "resume_path", lambda self: None)
-        ignored = run("c", max_steps=6, resume=str(three_steps))
-    print(f"{loop.__name__}: micro-batches trained straight {len(straight[2])}, resumed {len(resumed[2])}, "
-          f"with --resume ignored {len(ignored[2])}")
-    return SimpleNamespace(straight=straight, resumed=resumed, ignored=ignored)
-
-
 def test_resume_continues_exactly(tmp_path):
     """--resume: 3 steps, then on to 6, gives the weights of 6 steps straight (constant LR: no schedule length), and
     the resumed call trains only the 3 remaining micro-batches, the straight run's last 3. A rerun from scratch
     (--resume ignored) ends in the same weights, so the weights alone cannot tell; it trains all 6 and fails there."""
     common = dict(impl="explicit", devices="cpu,cpu,cpu", batch_size=10, schedule="constant", log_every=1)
-    runs = resume_runs(tmp_path, data_parallel, data_parallel.DPConfig, **common)
-    straight, _, straight_seen = runs.straight
-    weights, summary, seen = runs.resumed
-    assert summary["optimizer_steps"] == 6 and summary["samples_seen"] == 60
-    assert_same_path_bitwise(straight, weights, "resumed vs 6 steps straight")
-    assert len(straight_seen) == 6 and seen == straight_seen[3:]  # only the remaining steps, on their samples
-    weights, summary, seen = runs.ignored  # the known-wrong variant: the weights check passes, this one does not
-    assert_same_path_bitwise(straight, weights, "a rerun from scratch vs 6 steps straight")
-    assert seen != straight_seen[3:] and seen == straight_seen
+    assert_resumes_not_reruns(tmp_path, data_parallel, data_parallel.DPConfig, **common)
 
 
 # ---------------------------------------------------------------------- bad input

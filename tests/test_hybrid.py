@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from conftest import (assert_cross_path_64, assert_same_path_bitwise, PARITY_TOL_64, SEQ, as_torchrun_rank,
+from conftest import (PARITY_TOL_64, SEQ, as_torchrun_rank, assert_cross_path_64, assert_resumes_not_reruns,
                       assert_within_fp32_floor, cuda_devices, fp32_noise_floor, load_model_state, make_cfg,
                       max_param_diff, run_script, torchrun, train_state)
 from jobs import run_job
@@ -148,18 +148,8 @@ def test_fp32_dp_mp_within_the_noise_floor_and_the_articles_wrapping_is_not(tmp_
 def test_resume_continues_exactly(tmp_path):
     """3 steps, then --resume auto on to 6: the weights of 6 steps straight, and the resumed call trains only the 3
     remaining batches, the straight run's last 3; a rerun from scratch (--resume ignored) trains all 6 (test_dp.py)."""
-    from test_dp import resume_runs
-
     common = dict(SEQ, mode="dp-mp", impl="explicit", schedule="constant")
-    runs = resume_runs(tmp_path, hybrid, hybrid.HybridConfig, **common)
-    straight, _, straight_seen = runs.straight
-    weights, summary, seen = runs.resumed
-    assert summary["optimizer_steps"] == 6 and summary["samples_seen"] == 60
-    assert_same_path_bitwise(straight, weights, "resumed vs 6 steps straight")
-    assert len(straight_seen) == 6 and seen == straight_seen[3:]  # only the remaining steps, on their samples
-    weights, summary, seen = runs.ignored  # the known-wrong variant: the weights check passes, this one does not
-    assert_same_path_bitwise(straight, weights, "a rerun from scratch vs 6 steps straight")
-    assert seen != straight_seen[3:] and seen == straight_seen
+    assert_resumes_not_reruns(tmp_path, hybrid, hybrid.HybridConfig, **common)
 
 
 # ---------------------------------------------------------------------- ddp-mp under torchrun

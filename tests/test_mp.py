@@ -22,7 +22,7 @@ import json
 import pytest
 import torch
 
-from conftest import (FP32_MODEL, PARITY_TOL_64, SEQ, assert_cross_path_64, assert_same_path_bitwise,
+from conftest import (FP32_MODEL, PARITY_TOL_64, SEQ, assert_cross_path_64, assert_resumes_not_reruns,
                       assert_within_fp32_floor, cuda_devices, fp32_noise_floor, max_param_diff, run_script, train_state)
 from manual_train import parallel
 from manual_train.cli import run as cli_run
@@ -185,18 +185,8 @@ def test_fp32_mp_within_the_noise_floor_and_a_detached_hop_is_not(tmp_path, monk
 def test_resume_continues_exactly(tmp_path):
     """3 steps, then --resume auto on to 6: the weights of 6 steps straight, and the resumed call trains only the 3
     remaining batches, the straight run's last 3; a rerun from scratch (--resume ignored) trains all 6 (test_dp.py)."""
-    from test_dp import resume_runs
-
     common = dict(SEQ, microbatches=2, schedule="constant")
-    runs = resume_runs(tmp_path, model_parallel, model_parallel.MPConfig, **common)
-    straight, _, straight_seen = runs.straight
-    weights, summary, seen = runs.resumed
-    assert summary["optimizer_steps"] == 6 and summary["samples_seen"] == 60
-    assert_same_path_bitwise(straight, weights, "resumed vs 6 steps straight")
-    assert len(straight_seen) == 6 and seen == straight_seen[3:]  # only the remaining steps, on their samples
-    weights, summary, seen = runs.ignored  # the known-wrong variant: the weights check passes, this one does not
-    assert_same_path_bitwise(straight, weights, "a rerun from scratch vs 6 steps straight")
-    assert seen != straight_seen[3:] and seen == straight_seen
+    assert_resumes_not_reruns(tmp_path, model_parallel, model_parallel.MPConfig, **common)
 
 
 # ---------------------------------------------------------------------- bad input
