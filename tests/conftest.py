@@ -1,12 +1,14 @@
 """Shared test helpers: configs without argv, real CLI subprocesses, parameter comparisons."""
 from __future__ import annotations
 
+import atexit
 import math
 import os
 import shutil
 from contextlib import contextmanager
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -16,6 +18,16 @@ import torch
 from manual_train.config import Config, config_from
 
 REPO = Path(__file__).resolve().parents[1]
+
+# torch.compile's on-disk cache (Inductor's compiled kernels and graphs) defaults to /tmp/torchinductor_<user>, one
+# folder for every run on the machine: other checkouts, killed runs, `make mutants`' mutated copies. On 2026-12-02
+# a cache shared that way made a fresh clone's compile tests fail (a compiled DDP backward aborted; FSDP2 with
+# --compile blocks ended 210 from eager), and the same tests passed with an empty cache. Each pytest session (and
+# the launch scripts and ranks it starts, which inherit the variable) compiles into its own cache, cold as on a CI
+# machine. (A hook, not an import-time line: a job's ranks import this module too, and must share the session's.)
+def pytest_configure(config):
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="pytest-inductor-")
+    atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
 
 
 def make_cfg(tmp_path: Path, config_cls=Config, **overrides) -> Config:
