@@ -27,6 +27,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 
+from conftest import torchrun  # noqa: E402
 from mutants import TECHNIQUES, Mutant, catalogue  # noqa: E402
 
 COPIED = ("manual_train", "launch", "tests", "setup.cfg", "setup.py")
@@ -132,8 +133,7 @@ def kill(mutant: Mutant) -> Outcome:
 def demo_run(root: Path, demo: tuple, out: Path) -> dict:
     """One gallery run in `root`: the launch script with its arguments; summary.json's numbers, or the error."""
     script, nproc, *argv = demo
-    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
-                if nproc else [sys.executable])
+    launcher = torchrun(nproc) if nproc else [sys.executable]
     cmd = [*launcher, str(root / "launch" / f"{script}.py"), *argv, "--out-dir", str(out), "--no-progress"]
     try:
         proc = subprocess.run(cmd, cwd=root, env=env_for(root, {}), capture_output=True, text=True,
@@ -254,14 +254,11 @@ def main(argv=None) -> int:
     print(f"{len(selected) - len(bad)} of {len(selected)} killed in {time.perf_counter() - started:.0f} s"
           + "".join(f"\n  {o.status.upper()}: {o.name} {o.message}" for o in bad))
     if not args.only and not args.no_gallery:
-        import platform
-
         import torch
 
-        cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                    if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() \
-            else platform.processor()
-        when = (f"{time.strftime('%Y-%m-%d')} on {os.cpu_count()} cores of {cpu}, ATen "
+        from manual_train.bench.report import _cpu_model
+
+        when = (f"{time.strftime('%Y-%m-%d')} on {os.cpu_count()} cores of {_cpu_model()}, ATen "
                 f"{torch.backends.cpu.get_cpu_capability()}, torch {torch.__version__}")
         (REPO / "docs" / "mutants.md").write_text(kill_matrix(mutants, outcomes, when))
         (REPO / "docs" / "bug-gallery.md").write_text(bug_gallery(mutants, outcomes, runs, when))
