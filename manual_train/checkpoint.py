@@ -15,9 +15,9 @@ os.replace() swaps it in, so a crash mid-write leaves the previous last.pt whole
 The position in a partial epoch is kept in samples of the epoch's order (`epoch_samples_done`), so a resume
 with another split of the same global batch, or another world size, continues the data order exactly
 (check_world_size_change says when per-rank random streams make that impossible). --checkpoint-format dcp
-writes a folder instead: every rank's shards (torch.distributed.checkpoint) and a meta.pt with the rest; a
-symlink swapped atomically names the complete one (load_dcp, link_atomically; `python -m manual_train.checkpoint
---to-pt` converts one to a .pt).
+writes a folder instead: every rank's shards (torch.distributed.checkpoint: save_sharded, load_sharded) and a
+meta.pt with the rest; a symlink swapped atomically names the complete one (load_dcp, link_atomically;
+`python -m manual_train.checkpoint --to-pt` converts one to a .pt).
 """
 from __future__ import annotations
 
@@ -25,10 +25,11 @@ import dataclasses
 import os
 import random
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
+import torch.nn as nn
 
 from manual_train.config import Config, UsageError
 
@@ -128,6 +129,21 @@ def load_checkpoint(path: Path, flag: str = "--resume", full: bool = True) -> di
     return state
 
 
+# ---------------------------------------------------------------------- what Run checkpoints, when not a module
+@dataclasses.dataclass
+class FullState:
+    """A checkpointed object for manual_train.run.Run: state_dict() gathers the full state (a collective: every
+    rank calls it, rank 0 receives it, the others get {}); load_state_dict() takes a full state (any loop's
+    checkpoint, read by every rank) and keeps this rank's shard of it."""
+
+    state_dict: Callable[[], dict]
+    load_state_dict: Callable[[dict], None]
+    module: Optional[nn.Module] = None  # the unwrapped model, for Run's banner (the model's FullState only)
+    # (module, optimizer) whose parameters are DTensors (FSDP2, tensor parallel): Run's --checkpoint-format dcp saves
+    # and loads their shards with torch.distributed.checkpoint (save_sharded, load_sharded), no gather
+    sharded: Optional[tuple] = None
+
+
 # ---------------------------------------------------------------------- --checkpoint-format dcp: a folder of shards
 DCP_META = "meta.pt"  # beside DCP's .metadata and __<rank>_0.distcp files: everything but the tensors
 CHECKPOINT_FORMATS = ("pt", "dcp")
@@ -168,6 +184,44 @@ def merge(a: dict, b: dict) -> dict:
     for key, value in b.items():
         out[key] = merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
     return out
+
+
+def save_sharded(raw_model: nn.Module, optimizer, folder: Path, async_group=None) -> tuple[dict, object]:
+    """Every rank writes its own shards with torch.distributed.checkpoint (DCP), no gather; (rest, future).
+
+    The option for models whose full state does not fit on one rank: nothing is gathered, files are written in
+    parallel, and DCP reshards on load (another world size works). Only the tensors go to DCP; `rest` (param_groups,
+    the same on every rank) is for the caller to keep (Run: meta.pt). async_group: a process group of its own for
+    dcp.async_save, which copies the shards to host memory and writes them in a thread (the future); its
+    collectives must not interleave with training's on the default group. Call on every rank.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optimizer_state = get_state_dict(raw_model, optimizer)  # DTensor shards, keyed by name
+    tensors, rest = split_tensors({"model": model_state, "optimizer": optimizer_state})
+    if async_group is not None:
+        return rest, dcp.async_save(tensors, checkpoint_id=str(folder), process_group=async_group)
+    dcp.save(tensors, checkpoint_id=str(folder))
+    return rest, None
+
+
+def load_sharded(raw_model: nn.Module, optimizer, folder: Path, rest: Optional[dict] = None,
+                 model_only: bool = False) -> None:
+    """Read a save_sharded folder into a DTensor model and its optimizer (each rank reads what its shards need, at
+    any world size); `rest` as save_sharded returned it (None: keep the optimizer's own param_groups)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict, set_state_dict
+
+    model_state, optimizer_state = get_state_dict(raw_model, optimizer)  # the layout to read into
+    layout = {"model": model_state} if model_only else {"model": model_state, "optimizer": optimizer_state}
+    tensors, own_rest = split_tensors(layout)
+    dcp.load(tensors, checkpoint_id=str(folder))
+    state = merge(tensors, own_rest if rest is None else {k: rest.get(k, {}) for k in layout})
+    if model_only:
+        set_model_state_dict(raw_model, state["model"])
+    else:
+        set_state_dict(raw_model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
 
 def load_dcp(folder: Path, flag: str = "--resume", full: bool = True) -> dict:

@@ -26,10 +26,10 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from manual_train.checkpoint import FullState
 from manual_train.config import UsageError, arg
 from manual_train.distributed import DDPConfig, DistEnv, read_env
 from manual_train.models import GPT, GPT_LAYERS, compile_forward, correct_count, loss_fn
-from manual_train.zero import FullState
 
 IGNORE = -100  # F.cross_entropy's ignore_index: the padded rows' targets (--impl torch)
 

@@ -23,10 +23,10 @@ rank 0 alone writes, and the few collectives this needs (the folder name, every 
 after saving) are made here on every rank alike. A lone process is a group of one and makes none.
 
 The checkpointed objects only need state_dict() and load_state_dict(): the loops pass their unwrapped model
-(`raw_model`), or for ZeRO and O2 an object whose state_dict() is the full fp32 state (zero.FullState, O2's masters).
+(`raw_model`), or for ZeRO and O2 one whose state_dict() is the full fp32 state (checkpoint.FullState, O2's masters).
 state_dict() is called on every rank (ZeRO gathers the shards with collectives), the file written by rank 0.
 With --checkpoint-format dcp (configs that have it; the model object's `sharded` holds the DTensor module and
-optimizer, zero.FullState) nothing is gathered: every rank writes its shards into a folder that the link last.dcp
+optimizer, checkpoint.FullState) nothing is gathered: every rank writes its shards into a folder that the link last.dcp
 names once it is complete (_save_dcp, _commit_dcp; docs/checkpointing.md).
 """
 from __future__ import annotations
@@ -43,8 +43,8 @@ import torch.distributed as dist
 
 from manual_train import profiling
 from manual_train.checkpoint import (DCP_META, build_checkpoint, capture_rng, check_compatible, first_line,
-                                     link_atomically, load_checkpoint, read_dcp_full, remove_unlinked_dcp, restore_rng,
-                                     resume_point, save_checkpoint)
+                                     link_atomically, load_checkpoint, load_sharded, read_dcp_full, remove_unlinked_dcp,
+                                     restore_rng, resume_point, save_checkpoint, save_sharded)
 from manual_train.config import UsageError
 from manual_train.distributed import DistEnv
 from manual_train.early_stopping import EarlyStopping
@@ -140,8 +140,6 @@ class Run:
         resharding them for this world size, or else read whole in each process (read_dcp_full)."""
         if ckpt.get("format") == "dcp" and getattr(model, "sharded", None):
             from torch.distributed.checkpoint.api import CheckpointException
-
-            from manual_train.zero import load_sharded
 
             try:
                 load_sharded(*model.sharded, Path(ckpt["dcp"]), rest=ckpt["rest"])
@@ -270,8 +268,6 @@ class Run:
         """Every rank writes its shards of the tracked DTensor model and optimizer into a new folder .dcp-<pid>-<hex>
         (dcp.save, or async_save: then only the copy to host memory blocks), which _commit_dcp names `links`. The
         previous async save is finished and linked first: one write in flight at a time."""
-        from manual_train.zero import save_sharded
-
         self._commit_dcp()
         name = [f".dcp-{os.getpid()}-{os.urandom(3).hex()}" if self.env.master_process else None]
         if self.distributed:
@@ -340,8 +336,6 @@ class Run:
         if not (self.cfg.restore_best and exists[0]):
             return False
         if self.dcp:
-            from manual_train.zero import load_sharded
-
             load_sharded(*self.tracked["model"].sharded, best, model_only=True)
         else:
             self.tracked["model"].load_state_dict(load_checkpoint(best)["model"])
@@ -388,5 +382,5 @@ class Run:
 
 
 def _module_of(model) -> torch.nn.Module:
-    """The nn.Module behind a checkpointed object (adapters such as zero.FullState keep theirs in .module)."""
+    """The nn.Module behind a checkpointed object (adapters such as checkpoint.FullState keep theirs in .module)."""
     return model if isinstance(model, torch.nn.Module) else model.module

@@ -36,6 +36,7 @@ import torch.nn as nn
 
 from manual_train.config import UsageError, arg
 from manual_train.distributed import DistEnv, read_env
+from manual_train.memory import tp_report
 from manual_train.zero import (FSDP2Sharded, ZeroConfig, compile_sharded, fully_shard_units,
                                optimizer_over_dtensors, sharding_spec)
 
@@ -210,9 +211,7 @@ class TP(FSDP2Sharded):
                f"{type(self.optimizer).__name__}"
 
     def memory_report(self) -> tuple[str, dict]:
-        from manual_train.bench.tensor_parallel import memory_report
-
-        return memory_report(self)
+        return tp_report(self)
 
 
 __all__ = ["TPConfig", "TP", "block_plan", "check_tp", "dp_coords", "parallelize"]

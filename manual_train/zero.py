@@ -24,7 +24,7 @@ loop calls them without asking which implementation or stage it runs (torchtitan
                             same number of batches, through FSDP itself
   full_model, full_optimizer   checkpointed objects: state_dict() gathers the plain full state to rank 0 (a
                             collective), load_state_dict() keeps this rank's shard of a full state
-  memory_report() ......... storage held per rank next to the paper's formulas (manual_train/bench/zero_memory.py)
+  memory_report() ......... storage held per rank next to the paper's formulas (manual_train/memory.py)
 
 fairscale (last release 0.4.13, 2022-12; its FSDP became torch.distributed.fsdp) is optional: pip install -e '.[zero]'.
 """
@@ -33,24 +33,23 @@ from __future__ import annotations
 import inspect
 from contextlib import nullcontext
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from manual_train.checkpoint import CHECKPOINT_FORMATS, check_checkpoint_format, merge, split_tensors
+from manual_train.checkpoint import CHECKPOINT_FORMATS, check_checkpoint_format
 from manual_train.config import UsageError, arg
 from manual_train.distributed import DDPConfig
 from manual_train.optim import dtensor_kwargs, keep_impl, sharded_scaler_kwargs
 from manual_train.precision import CastInputs
+from manual_train.sharding import MIXED_DTYPES, Sharded, blocks, check_plain_layout, device_ids, same_batch_count
 
 IMPLS = ("torch", "fairscale")
 STAGES = (1, 2, 3)
 CPU_CAPABLE = (("torch", 1), ("torch", 2), ("torch", 3), ("fairscale", 1), ("fairscale", 2))
-MIXED_DTYPES = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}
 
 
 # ---------------------------------------------------------------------- the flags, and what can run where
@@ -125,102 +124,6 @@ def check_zero(impl: str, stage: int, precision: str, on_cuda: bool, reduce_buff
 
 
 # ---------------------------------------------------------------------- what the loop calls
-@dataclass
-class FullState:
-    """A checkpointed object for manual_train.run.Run: state_dict() gathers the full state (a collective: every
-    rank calls it, rank 0 receives it, the others get {}); load_state_dict() takes a full state (any loop's
-    checkpoint, read by every rank) and keeps this rank's shard of it."""
-
-    state_dict: Callable[[], dict]
-    load_state_dict: Callable[[dict], None]
-    module: Optional[nn.Module] = None  # the unwrapped model, for Run's banner (the model's FullState only)
-    # (module, optimizer) whose parameters are DTensors (FSDP2, tensor parallel): Run's --checkpoint-format dcp saves
-    # and loads their shards with torch.distributed.checkpoint (save_sharded, load_sharded), no gather
-    sharded: Optional[tuple] = None
-
-
-class Sharded:
-    """ZeRO stage 1 with torch's ZeroRedundancyOptimizer inside plain DDP, and the base of every (impl, stage):
-    its methods do what the DDP loop does; each subclass overrides what its sharding changes.
-
-    wrapper: DDP, ShardedDataParallel or the FSDP root (what no_sync, clipping and the state dicts use);
-    model: what the loop calls (the wrapper, inside CastInputs under 64-true: the cast stays outermost).
-    """
-
-    def __init__(self, wrapper: nn.Module, optimizer, raw_model: nn.Module, cfg: ZeroConfig, device: torch.device,
-                 psi: int, cast: Callable[[nn.Module], nn.Module]):
-        self.wrapper, self.optimizer, self.raw_model, self.cfg, self.psi = wrapper, optimizer, raw_model, cfg, psi
-        self.device = device
-        self.model = cast(wrapper)
-        self.eval_model = cast(self._eval_module())
-        self.full_model = FullState(self.model_state_dict, self.load_model_state_dict, raw_model,
-                                    sharded=self._dtensor_state())
-        self.full_optimizer = FullState(self.optimizer_state_dict, self.load_optimizer_state_dict)
-
-    def __str__(self) -> str:
-        return f"--impl {self.cfg.impl} --stage {self.cfg.stage}: {type(self.wrapper).__name__} + " \
-               f"{type(self.optimizer).__name__}"
-
-    def _eval_module(self) -> nn.Module:
-        """DDP's inner module, as the DDP loop evaluates (DDP's forward broadcasts buffers: a collective)."""
-        return self.wrapper.module
-
-    def _dtensor_state(self) -> Optional[tuple]:
-        """(module, optimizer) when the parameters are DTensors, which --checkpoint-format dcp saves shard by shard
-        (FullState.sharded); None here: DDP's parameters are whole on every rank."""
-        return None
-
-    # ------------------------------------------------------------------ the step
-    def zero_grad(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
-
-    def no_sync(self, window_end: bool):
-        """DDP: no_sync() on all but the window's last micro-step, one all-reduce per optimizer step."""
-        return nullcontext() if window_end else self.wrapper.no_sync()
-
-    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        """The global gradient norm, clipped. Stage 1: DDP left the full gradients on every rank, the baseline's
-        clip_grad_norm_ works as is. FSDP2: the gradients are DTensors, whose norms torch all-reduces (so every
-        rank must call it)."""
-        return torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), max_norm)
-
-    def grad_scaler(self, device_type: str, **kwargs) -> torch.amp.GradScaler:
-        """Full gradients on every rank: a plain GradScaler sees the same inf/NaN everywhere."""
-        return torch.amp.GradScaler(device_type, **kwargs)
-
-    # ------------------------------------------------------------------ evaluation
-    def same_batch_count(self, loader):
-        return loader  # DDP evaluates the inner module: no collective in forward
-
-    def reshard(self) -> None:
-        """After evaluation: nothing to free (the parameters are not gathered)."""
-
-    # ------------------------------------------------------------------ checkpoints: the plain full state dicts
-    def model_state_dict(self) -> dict:
-        """Stage 1 and fairscale's stage 2 hold the full parameters on every rank: no communication."""
-        return self.raw_model.state_dict()
-
-    def load_model_state_dict(self, state: dict) -> None:
-        self.raw_model.load_state_dict(state)  # every rank reads the same file: the same weights everywhere
-
-    def optimizer_state_dict(self) -> dict:
-        """consolidate_state_dict pulls every shard to rank 0: a collective (rank 0 alone calling it waits for
-        ever). The result is torch.optim's own layout, which the unsharded optimizer of launch/single.py loads."""
-        self.optimizer.consolidate_state_dict(to=0)
-        return self.optimizer.state_dict() if dist.get_rank() == 0 else {}
-
-    def load_optimizer_state_dict(self, state: dict) -> None:
-        check_plain_layout(state)
-        self.optimizer.load_state_dict(state)  # ZeroRedundancyOptimizer and OSS keep the state of their tensors
-
-    # ------------------------------------------------------------------ the end
-    def memory_report(self) -> tuple[str, dict]:
-        """(the per-rank table for the console, the summary.json fields): a collective."""
-        from manual_train.bench.zero_memory import run_report
-
-        return run_report(self)
-
-
 class FSDP2Sharded(Sharded):
     """torch stages 2 and 3: FSDP2's fully_shard, every parameter a DTensor sharded by rows over the ranks."""
 
@@ -286,13 +189,6 @@ class FSDP2Sharded(Sharded):
         set_optimizer_state_dict(self.raw_model, self.optimizer, by_name, options=_full_options())  # this shard
 
 
-def check_plain_layout(optimizer_state: dict) -> None:
-    """Refuse, in one line, an optimizer state in fairscale FSDP's own layout (it resumes only into that)."""
-    if "uncollected_local_ids" in optimizer_state:
-        raise UsageError("--resume", "this checkpoint's optimizer state is fairscale FSDP's own layout",
-                         "--impl fairscale --stage 3, or a checkpoint of another loop")
-
-
 def _full_options(**extra):
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
@@ -300,24 +196,6 @@ def _full_options(**extra):
 
 
 # ---------------------------------------------------------------------- shard(): the decision, made once
-def blocks(model: nn.Module) -> list[tuple[nn.Module, str]]:
-    """(parent, attribute name) of the units FSDP wraps one by one before the root.
-
-    A transformer's blocks; otherwise the top-level children that hold parameters, looking through a lone
-    container (the mlp's `net`): cnn -> features, head; mlp -> its three Linear layers; seq2seq -> encoder,
-    decoder; resnet18 -> conv1, bn1, layer1..4, fc. Each unit's parameters are gathered only while it runs.
-    """
-    if isinstance(getattr(model, "blocks", None), nn.ModuleList):
-        return [(model.blocks, str(i)) for i in range(len(model.blocks))]
-    parent = model
-    while True:
-        children = [(name, c) for name, c in parent.named_children() if any(True for _ in c.parameters())]
-        if len(children) == 1 and any(True for _ in children[0][1].children()):
-            parent = children[0][1]
-            continue
-        return [(parent, name) for name, _ in children]
-
-
 def _constructor_kwargs(optimizer: torch.optim.Optimizer) -> dict:
     """The hyper-parameters to build the same optimizer again (defaults holds some the constructor refuses)."""
     accepted = inspect.signature(type(optimizer).__init__).parameters
@@ -364,11 +242,6 @@ def shard(model: nn.Module, optimizer: torch.optim.Optimizer, cfg: ZeroConfig, d
     return _fsdp2(optimizer_class, kwargs, **spec)
 
 
-def device_ids(device: torch.device) -> Optional[list]:
-    """DDP's device_ids: this rank's GPU, or None on the CPU."""
-    return [device.index] if device.type == "cuda" else None
-
-
 def _fsdp2(optimizer_class, kwargs: dict, raw_model: nn.Module, cfg: ZeroConfig, device: torch.device,
            **spec) -> FSDP2Sharded:
     from torch.distributed.device_mesh import init_device_mesh
@@ -394,7 +267,7 @@ def _fsdp2(optimizer_class, kwargs: dict, raw_model: nn.Module, cfg: ZeroConfig,
 
 
 def fully_shard_units(raw_model: nn.Module, mesh, cfg: ZeroConfig, mp_policy=None) -> None:
-    """FSDP2 on `mesh`: each block (zero.blocks) its own unit, then the root for the rest; stage 3 reshards after
+    """FSDP2 on `mesh`: each block (sharding.blocks) its own unit, then the root for the rest; stage 3 reshards after
     forward. mp_policy None: compute and communicate in the parameters' dtype."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -422,73 +295,3 @@ def compile_sharded(raw_model: nn.Module, cfg: ZeroConfig) -> None:
         else []
     for unit in units:
         compile_forward(unit, fullgraph=cfg.compile == "blocks")
-
-
-# ---------------------------------------------------------------------- evaluation under FSDP
-class SameBatchCount:
-    """Yields the loader's batches, then empty ones until `num_batches`: every rank calls forward equally often.
-
-    FSDP's forward all-gathers parameters: a rank whose validation shard has one batch fewer would leave the
-    others waiting in that all-gather. An empty batch adds nothing to evaluate's sums (loss, correct, count).
-    """
-
-    def __init__(self, loader, num_batches: int):
-        self.loader, self.num_batches = loader, num_batches
-
-    def __len__(self) -> int:
-        return self.num_batches
-
-    def __iter__(self):
-        last = None
-        for last in self.loader:
-            yield last
-        if last is None:
-            last = torch.utils.data.default_collate([self.loader.dataset[0]])
-        for _ in range(self.num_batches - len(self.loader)):
-            yield tuple(t[:0] for t in last)
-
-
-def same_batch_count(loader, device: torch.device) -> SameBatchCount:
-    """`loader` padded to the largest batch count of any rank (one all-reduce)."""
-    count = torch.tensor([len(loader)], device=device)  # nccl reduces CUDA tensors only
-    dist.all_reduce(count, op=dist.ReduceOp.MAX)
-    return SameBatchCount(loader, int(count.item()))
-
-
-# ---------------------------------------------------------------------- sharded checkpoints (DCP), no gather
-def save_sharded(raw_model: nn.Module, optimizer, folder: Path, async_group=None) -> tuple[dict, object]:
-    """Every rank writes its own shards with torch.distributed.checkpoint (DCP), no gather; (rest, future).
-
-    The option for models whose full state does not fit on one rank: nothing is gathered, files are written in
-    parallel, and DCP reshards on load (another world size works). Only the tensors go to DCP; `rest` (param_groups,
-    the same on every rank) is for the caller to keep (Run: meta.pt). async_group: a process group of its own for
-    dcp.async_save, which copies the shards to host memory and writes them in a thread (the future); its
-    collectives must not interleave with training's on the default group. Call on every rank.
-    """
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    model_state, optimizer_state = get_state_dict(raw_model, optimizer)  # DTensor shards, keyed by name
-    tensors, rest = split_tensors({"model": model_state, "optimizer": optimizer_state})
-    if async_group is not None:
-        return rest, dcp.async_save(tensors, checkpoint_id=str(folder), process_group=async_group)
-    dcp.save(tensors, checkpoint_id=str(folder))
-    return rest, None
-
-
-def load_sharded(raw_model: nn.Module, optimizer, folder: Path, rest: Optional[dict] = None,
-                 model_only: bool = False) -> None:
-    """Read a save_sharded folder into a DTensor model and its optimizer (each rank reads what its shards need, at
-    any world size); `rest` as save_sharded returned it (None: keep the optimizer's own param_groups)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict, set_state_dict
-
-    model_state, optimizer_state = get_state_dict(raw_model, optimizer)  # the layout to read into
-    layout = {"model": model_state} if model_only else {"model": model_state, "optimizer": optimizer_state}
-    tensors, own_rest = split_tensors(layout)
-    dcp.load(tensors, checkpoint_id=str(folder))
-    state = merge(tensors, own_rest if rest is None else {k: rest.get(k, {}) for k in layout})
-    if model_only:
-        set_model_state_dict(raw_model, state["model"])
-    else:
-        set_state_dict(raw_model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])

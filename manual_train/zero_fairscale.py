@@ -1,5 +1,5 @@
 """fairscale's ZeRO, kept apart from manual_train/zero.py: OSS (stages 1, 2), ShardedDataParallel (stage 2) and
-FullyShardedDataParallel (stage 3, CUDA only), each a subclass of zero.Sharded overriding what it changes.
+FullyShardedDataParallel (stage 3, CUDA only), each a subclass of sharding.Sharded overriding what it changes.
 
 fairscale (Meta) is where these were developed; its last release is 0.4.13 (2022-12) and its FSDP became
 torch.distributed.fsdp. manual_train.zero imports this module only for --impl fairscale, after checking that
@@ -18,7 +18,7 @@ from fairscale.optim.grad_scaler import ShardedGradScaler
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from manual_train.config import UsageError
-from manual_train.zero import MIXED_DTYPES, Sharded, blocks, device_ids, same_batch_count
+from manual_train.sharding import MIXED_DTYPES, Sharded, blocks, device_ids, same_batch_count
 
 
 def check(stage: int, precision: str, on_cuda: bool, world_size: int) -> None:

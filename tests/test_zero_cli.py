@@ -1,6 +1,6 @@
 """ZeroConfig, --help, one-line errors, the loop's diff against the DDP loop, and the pieces that need no process
-group: the paper's formulas and the storage accounting (manual_train/bench/zero_memory.py), the FSDP units and the
-equal-batch evaluation (manual_train/zero.py).
+group: the paper's formulas and the storage accounting (manual_train/memory.py), the FSDP units and the
+equal-batch evaluation (manual_train/zero.py, manual_train/sharding.py).
 
 One real subprocess (`python launch/zero.py --impl fairscale --stage 3`: exit status 2, one line, on this CPU) and
 one in-process group of one (`python launch/zero.py` at world size 1 equals the DDP loop within 1e-9 in 64-true).
@@ -16,14 +16,14 @@ import pytest
 import torch
 from conftest import REPO, assert_cross_path_64, load_model_state, make_cfg, run_script
 
-from manual_train.bench.zero_memory import storage_bytes, zero_formula_bytes
 from manual_train.cli import run
 from manual_train.data import DataInfo
 from manual_train.evaluation import evaluate
 from manual_train.loops import ddp
 from manual_train.loops import zero as zero_loop
+from manual_train.memory import storage_bytes, zero_formula_bytes
 from manual_train.models import build_model
-from manual_train.zero import SameBatchCount, blocks
+from manual_train.sharding import SameBatchCount, blocks
 
 
 # ---------------------------------------------------------------------- the paper's formulas

@@ -143,11 +143,12 @@ def _scenario_memory() -> dict:
 
 def _scenario_sharded_checkpoint(out: Path) -> dict:
     """FSDP2 stage 3 after a step, saved with DCP (each rank its shards) and read into a fresh sharded model."""
+    from manual_train.checkpoint import load_sharded, save_sharded
     from manual_train.data import DataInfo
     from manual_train.distributed import read_env, setup, teardown
     from manual_train.models import build_model, loss_fn
     from manual_train.optim import build_optimizer
-    from manual_train.zero import load_sharded, save_sharded, shard
+    from manual_train.zero import shard
 
     info, cfg = DataInfo("digits", (1, 8, 8), 10), ZeroConfig(optimizer="adamw", impl="torch", stage=3)
     setup(read_env(), torch.device("cpu"), "gloo", 120)

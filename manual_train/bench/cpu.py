@@ -589,7 +589,7 @@ def _zero_child(world_sizes: tuple, configs: tuple) -> dict:
     from manual_train.bench.zero_memory import measure_per_rank_bytes
 
     # measure_per_rank_bytes starts N gloo processes, takes one AdamW step of each config in them and reads the
-    # storage each rank holds afterwards (manual_train/bench/zero_memory.py: per_rank_bytes)
+    # storage each rank holds afterwards (manual_train/memory.py: per_rank_bytes)
     # fork: the ranks start from this fresh process (torch already imported) instead of 4 new pythons
     return {str(n): measure_per_rank_bytes(n, "cnn", "adamw", configs=configs, start_method="fork")
             for n in world_sizes}
@@ -623,7 +623,7 @@ def zero_memory(bench: Bench) -> Outcome:
                                   [x["total"] for x in ddp["per_rank"]],
                                   [x["total"] for x in r["per_rank"]], claim=f"ZeRO paper's formula: {predicted:.3f}"))
     notes.append("Storage held between steps, one value per rank, counted by "
-                 "manual_train.bench.zero_memory.per_rank_bytes (communication buckets and activations are not in "
+                 "manual_train.memory.per_rank_bytes (communication buckets and activations are not in "
                  "it). fairscale's OSS shards whole tensors, so its ranks differ; torch's stage 2 (FSDP2, "
                  "reshard_after_forward=False) reshards after backward, so between steps it holds what stage 3 "
                  "holds and differs only between forward and backward.")

@@ -52,7 +52,7 @@ def gradient_bytes(model: torch.nn.Module, views: bool, steps: int, batch, bucke
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from manual_train.bench.zero_memory import storage_bytes
+    from manual_train.memory import storage_bytes
     from manual_train.models import loss_fn
 
     buckets = {}

@@ -1,15 +1,14 @@
 """Tensor parallelism's bytes, measured: held per rank and communicated per step, vs the formulas
 (docs/tensor_parallel.md).
 
-    per_rank_bytes(model, optimizer)   zero_memory's count: parameters, gradients, optimizer state (local shards)
-    held_formula(...)                  what each rank should hold: the split weights / tp, the rest whole, / dp
     CountComm                          a TorchDispatchMode that adds up the bytes handed to every collective
     comm_formula(...)                  Megatron: 2 all-reduces per block forward, 2 backward, of b*s*h elements
                                        each (sequence parallel: an all-gather and a reduce-scatter for each);
                                        2-D adds FSDP2's all-gather and reduce-scatter of the tp shard
     measure(shapes)                    the benchmark: dp x tp gloo processes (per shape), one AdamW step of the reverse
                                        task's GPT, every rank's bytes next to the formulas
-    memory_report(tp)                  what the loop prints at the end and writes to summary.json
+The bytes held and their formula (per_rank_bytes, held_formula; the loop's end-of-run report, tp_report) are the
+library's: manual_train/memory.py.
 In the CPU suite: manual_train/bench/cpu.py's entry tensor_parallel calls tensor_parallel_entry.
 """
 from __future__ import annotations
@@ -21,19 +20,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from manual_train.bench.harness import spawn_ranks
-from manual_train.bench.zero_memory import per_rank_bytes
-
-# the parameters TP splits; the rest (row-wise biases too) is whole
-SPLIT = (".attn.q.", ".attn.k.", ".attn.v.", ".attn.proj.weight", ".mlp.0.", ".mlp.2.weight")
-OPTIMIZER_STATE_PER_PARAM = 2  # AdamW's exp_avg and exp_avg_sq
-
-
-def held_formula(model_full_sizes: dict, tp: int, dp: int, element_size: int) -> int:
-    """Bytes per rank of parameters + gradients + AdamW state: (psi_split / tp + psi_rest) / dp elements, each
-    held (1 + 1 + 2) times. model_full_sizes: {name: numel} of the unsplit model (tied weights once)."""
-    split = sum(n for name, n in model_full_sizes.items() if any(s in name for s in SPLIT))
-    rest = sum(model_full_sizes.values()) - split
-    return int((split / tp + rest) / dp * (2 + OPTIMIZER_STATE_PER_PARAM) * element_size)
+from manual_train.memory import SPLIT, full_sizes, held_formula, per_rank_bytes
 
 
 def comm_formula(n_layer: int, b: int, s: int, h: int, tp: int, dp: int, psi_per_tp_rank: float, stage: int,
@@ -82,10 +69,6 @@ class CountComm(TorchDispatchMode):
         return out
 
 
-def full_sizes(model: torch.nn.Module) -> dict:
-    return {name: p.numel() for name, p in model.named_parameters()}  # DTensors: their global size
-
-
 def _child(rank: int, shapes: tuple, port: int, batch: int, out) -> None:
     from manual_train import tokens
     from manual_train.models import GPT_LAYERS, build_model, loss_fn
@@ -130,19 +113,6 @@ def measure(shapes=((1, 2, False), (1, 2, True), (2, 2, False)), batch: int = 16
                          held_formula=ranks[0]["held_formula"], comm_per_rank=[r["comm_total"] for r in ranks],
                          comm_by_kind=ranks[0]["comm"], comm_formula=ranks[0]["comm_formula"]))
     return rows
-
-
-def memory_report(tp) -> tuple[str, dict]:
-    """(console table, summary.json fields) for the loop's end: this rank's bytes and every rank's, vs the formula
-    (a collective: every rank calls it)."""
-    held = per_rank_bytes(tp.raw_model, tp.optimizer)["total"]
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, held)
-    element = next(tp.raw_model.parameters()).element_size()
-    formula = held_formula(full_sizes(tp.raw_model), tp.tp, tp.dp, element)
-    table = (f"bytes per rank (parameters + gradients + optimizer state): {every}; "
-             f"formula (psi_split/tp + psi_rest)/dp x 4 x {element} = {formula}")
-    return table, {"per_rank_bytes": every, "per_rank_bytes_formula": formula}
 
 
 def tensor_parallel_entry(bench):

@@ -1,5 +1,5 @@
-"""ZeRO (manual_train/loops/zero.py, manual_train/zero.py, manual_train/zero_fairscale.py): fairscale's OSS and
-ShardedDDP, torch's ZeroRedundancyOptimizer (stage 1) and FSDP2 (stages 2, 3).
+"""ZeRO (manual_train/loops/zero.py, manual_train/zero.py, manual_train/sharding.py, manual_train/zero_fairscale.py):
+fairscale's OSS and ShardedDDP, torch's ZeroRedundancyOptimizer (stage 1) and FSDP2 (stages 2, 3).
 
 The arithmetic mutants are killed by the 64-true parity matrix of tests/test_zero_parity.py (AdamW, 2 ranks, two
 epochs, within 1e-9 of DDP), its job restricted here to the two scenarios the killing case reads (the mutant's impl
@@ -46,7 +46,7 @@ MUTANTS = [
     Mutant(
         name="zero-fsdp2-clip-local-shard-norm",
         technique="zero",
-        file="manual_train/zero.py",
+        file="manual_train/sharding.py",
         old="        return torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), max_norm)",
         new="        grads = [getattr(p.grad, '_local_tensor', p.grad) for p in self.raw_model.parameters() "
             "if p.grad is not None]\n"
@@ -60,7 +60,7 @@ MUTANTS = [
     Mutant(
         name="zero-optimizer-state-not-consolidated",
         technique="zero",
-        file="manual_train/zero.py",
+        file="manual_train/sharding.py",
         old="        self.optimizer.consolidate_state_dict(to=0)\n"
             "        return self.optimizer.state_dict() if dist.get_rank() == 0 else {}",
         new="        return self.optimizer.optim.state_dict()  # this rank's shard (consolidating is a collective)",
@@ -85,7 +85,7 @@ MUTANTS = [
     Mutant(
         name="zero-eval-padded-with-repeats",
         technique="zero",
-        file="manual_train/zero.py",
+        file="manual_train/sharding.py",
         old="            yield tuple(t[:0] for t in last)",
         new="            yield last  # one more batch, as DistributedSampler pads with repeats",
         says="The rank with fewer validation batches pads with its last batch again (DistributedSampler's pad=True "
