@@ -10,9 +10,9 @@ process, launch/single.py's loop resumes the dcp checkpoints at world size 1 (di
 
 64-true, within PARITY_TOL_64 = 1e-9 of the uninterrupted run; one fp32 pairing (dcp mid-epoch, 4 -> 2) within
 FP32_FLOOR_FACTOR noise floors measured here. The known-wrong variants fail it: the mid-epoch position counted in the
-checkpoint's per-rank micro-steps (the rule before `epoch_samples_done`), and a dropout run resumed at another world
-size with rank 0's RNG streams (what the loops did before the world-size check). Measured (2026-12-01, 2-core Xeon,
-torch 2.14.1): see docs/checkpointing.md.
+checkpoint's per-rank micro-steps (the rule before `epoch_samples_done`; DDP in 64-true, FSDP2/dcp in fp32), and a
+dropout run resumed at another world size with rank 0's RNG streams (what the loops did before the world-size check).
+Measured (2026-12-01, 2-core Xeon, torch 2.14.1): see docs/checkpointing.md.
 """
 from __future__ import annotations
 
@@ -85,7 +85,7 @@ def _scenario(name: str, world_size: int, rank: int, out: Path) -> dict:
 
 
 SAVED = [f"{loop}_{stop}" for loop in ("zero-dcp", "ddp") for stop in STOPS] + ["zero-dcp-fp32_mid"]
-RESUMED = [f"{s}_at2" for s in SAVED] + ["ddp_mid_at2-wrong"]
+RESUMED = [f"{s}_at2" for s in SAVED] + ["ddp_mid_at2-wrong", "zero-dcp-fp32_mid_at2-wrong"]
 
 
 @pytest.fixture(scope="module")
@@ -120,8 +120,12 @@ def test_saved_at_4_resumed_at_2_ends_where_the_uninterrupted_run_does(jobs, ref
 
 def test_fp32_dcp_mid_epoch_4_to_2_within_the_noise_floor(jobs, reference):
     _, ref32, floor = reference
+    """...and the known-wrong resume point (per-rank micro-steps) on the same FSDP2/DCP path fails the same check."""
     assert_within_fp32_floor(max_param_diff(final_weights(jobs[0] / "job2/zero-dcp-fp32_mid_at2/run"), ref32), floor,
                              "dcp mid-epoch 4 -> 2")
+    with pytest.raises(AssertionError):
+        assert_within_fp32_floor(max_param_diff(final_weights(jobs[0] / "job2/zero-dcp-fp32_mid_at2-wrong/run"), ref32),
+                                 floor, "dcp mid-epoch 4 -> 2, position in per-rank micro-steps")
 
 
 def test_mid_epoch_position_in_per_rank_micro_steps_is_wrong(jobs, reference):
