@@ -9,11 +9,11 @@
   checkpointing .......... float64 gradients within 1e-9 of none for full and selective on gpt and resnet18, and
                            resnet18's BatchNorm running statistics updated once; fewer peak live tensor bytes on gpt;
                            refused in one line for models without blocks; a real single.py run with it
-  ddp and zero ........... the DDP loop and ZeRO's FSDP2 (groups of one) with checkpointing + foreach: single.py's
-                           weights within 1e-9 in 64-true
+  ddp and zero ........... the DDP loop and ZeRO's FSDP2 (groups of one), GPT with dropout: checkpointing +
+                           foreach within 1e-9 of the same loop plain and fused, in 64-true
 Known-wrong variants in the levers' own code: a recompute that updates BatchNorm's statistics again fails the buffer
-check (monkeypatched here); the ddp/zero check's wrong variant is still another seed (the levers are exact by
-design in these loops; the loops' own mutants: tests/mutants/ddp.py, zero.py).
+check, and a recompute that draws new dropout masks fails the ddp/zero check (both monkeypatched here; the
+catalogue's mutants of the levers: tests/mutants/levers.py).
 """
 from __future__ import annotations
 
@@ -146,29 +146,39 @@ def test_single_trains_gpt_the_same_with_checkpointing_and_any_optimizer_impl(op
 
 
 @pytest.mark.parametrize("loop", ["ddp", "zero"])
-def test_ddp_and_zero_train_gpt_as_single_with_checkpointing_and_another_impl(loop, tmp_path, lone_process):
+def test_ddp_and_zero_train_gpt_the_same_with_checkpointing_and_another_impl(loop, tmp_path, lone_process,
+                                                                              monkeypatch):
     """The levers under the DDP loop and the ZeRO loop's FSDP2 (stage 3: every block re-gathered in the recompute),
-    each a process group of one: full checkpointing + foreach against single.py plain and fused, 64-true, 3 AdamW
-    steps, within 1e-9 (the trajectories fp32 cannot compare, above). The same run with another --seed (other
-    initial weights) is the variant that must fail the check."""
+    each a process group of one, GPT with dropout: full checkpointing + foreach against the same loop plain and
+    fused, 64-true, 3 AdamW steps, within 1e-9 (the trajectories fp32 cannot compare, above). The known-wrong
+    variant is the lever's own: a recompute that does not restore the RNG state (checkpoint(...,
+    preserve_rng_state=False), which saves a copy of the RNG per block) draws other dropout masks than forward did,
+    so backward differentiates another network; it must fail the same check. (The loops against single.py: their
+    own parity tests.)"""
+    import functools
     import importlib
 
+    import torch.utils.checkpoint
+
     from manual_train.distributed import DDPConfig
-    from manual_train.loops import single
     from manual_train.zero import ZeroConfig
 
     common = dict(model="gpt", dataset="reverse", synthetic_size=64, batch_size=16, max_steps=3, optimizer="adamw",
-                  lr=3e-3, precision="64-true")
-    single.train(make_cfg(tmp_path / "plain", **common))
-    config, extra = (DDPConfig, {}) if loop == "ddp" else (ZeroConfig, dict(stage=3))
-    for name, seed in (("levers", 0), ("other_seed", 1)):
-        cfg = make_cfg(tmp_path / name, config, **common, **extra, seed=seed, activation_checkpointing="full",
-                       optimizer_impl="foreach")
-        importlib.import_module(f"manual_train.loops.{loop}").train(cfg)
+                  lr=3e-3, precision="64-true", dropout=0.1)
+    config, common = (DDPConfig, common) if loop == "ddp" else (ZeroConfig, dict(common, stage=3))
+    train = importlib.import_module(f"manual_train.loops.{loop}").train
+    levers = dict(activation_checkpointing="full", optimizer_impl="foreach")
+    for name, extra in (("plain", {}), ("levers", levers), ("new_masks", levers)):
+        if name == "new_masks":
+            monkeypatch.setattr(torch.utils.checkpoint, "checkpoint",
+                                functools.partial(torch.utils.checkpoint.checkpoint, preserve_rng_state=False))
+        train(make_cfg(tmp_path / name, config, **common, **extra))
     plain = load_model_state(tmp_path / "plain" / "run")
-    diff, wrong = (max_param_diff(plain, load_model_state(tmp_path / name / "run")) for name in ("levers", "other_seed"))
-    print(f"{loop}: checkpointing + foreach vs single {diff:.3g}; another seed {wrong:.3g}")
-    assert diff <= 1e-9 and wrong > 1e-3
+    diff = assert_cross_path_64(plain, load_model_state(tmp_path / "levers" / "run"),
+                                f"{loop}: checkpointing + foreach vs plain fused")
+    wrong = max_param_diff(plain, load_model_state(tmp_path / "new_masks" / "run"))
+    print(f"{loop}: checkpointing + foreach vs plain {diff:.3g}; recompute with other dropout masks {wrong:.3g}")
+    assert wrong > 1e3 * PARITY_TOL_64
 
 
 def test_the_compile_entry_is_registered_with_the_issues_goal():
