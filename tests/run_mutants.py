@@ -130,21 +130,23 @@ def kill(mutant: Mutant) -> Outcome:
                    seconds)
 
 
-def demo_run(root: Path, demo: tuple, out: Path) -> dict:
-    """One gallery run in `root`: the launch script with its arguments; summary.json's numbers, or the error."""
+def demo_run(root: Path, demo: tuple, out: Path, stop: int = 0) -> dict:
+    """One gallery run in `root`: the launch script with its arguments; summary.json's numbers, or the error.
+    stop > 0: the run stops after `stop` optimizer steps (--max-steps) and a second process resumes it to its end."""
     script, nproc, *argv = demo
     launcher = torchrun(nproc) if nproc else [sys.executable]
     cmd = [*launcher, str(root / "launch" / f"{script}.py"), *argv, "--out-dir", str(out), "--no-progress"]
-    try:
-        proc = subprocess.run(cmd, cwd=root, env=env_for(root, {}), capture_output=True, text=True,
-                              timeout=DEMO_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        return {"error": f"hung: no end after {DEMO_TIMEOUT_S} s"}
-    if proc.returncode != 0:
-        lines = [line for line in proc.stderr.splitlines() if line.strip()]
-        errors = [line for line in lines if ("Error" in line or line.startswith("error:"))
-                  and "ChildFailedError" not in line]  # torchrun's own summary names no cause: the rank's line does
-        return {"error": f"exit {proc.returncode}: {(errors or lines or [''])[-1][:200]}"}
+    for extra in (["--max-steps", str(stop)], ["--resume", "auto"]) if stop else ([],):
+        try:
+            proc = subprocess.run([*cmd, *extra], cwd=root, env=env_for(root, {}), capture_output=True, text=True,
+                                  timeout=DEMO_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            return {"error": f"hung: no end after {DEMO_TIMEOUT_S} s"}
+        if proc.returncode != 0:
+            lines = [line for line in proc.stderr.splitlines() if line.strip()]
+            errors = [line for line in lines if ("Error" in line or line.startswith("error:"))
+                      and "ChildFailedError" not in line]  # torchrun's own summary names no cause: the rank's does
+            return {"error": f"exit {proc.returncode}: {(errors or lines or [''])[-1][:200]}"}
     summary = json.loads((out / "summary.json").read_text())
     return {k: summary.get(k) for k in ("final_val_loss", "final_val_acc", "optimizer_steps", "samples_seen")}
 
@@ -157,13 +159,14 @@ def gallery_runs(mutants: list[Mutant]) -> dict:
         for mutant in mutants:
             if not mutant.demo:
                 continue
-            key = json.dumps(mutant.demo)
+            key = json.dumps([mutant.demo, mutant.demo_stop])
             if key not in correct:
-                correct[key] = demo_run(clean, mutant.demo, Path(tmp) / f"correct{len(correct)}")
+                correct[key] = demo_run(clean, mutant.demo, Path(tmp) / f"correct{len(correct)}", mutant.demo_stop)
             with tempfile.TemporaryDirectory(prefix=f"mutant-{mutant.name}-") as mtmp:
                 root = repo_copy(Path(mtmp) / "repo", mutant)
                 results[mutant.name] = {"correct": correct[key], "mutant": demo_run(root, mutant.demo,
-                                                                                   Path(mtmp) / "out")}
+                                                                                   Path(mtmp) / "out",
+                                                                                   mutant.demo_stop)}
             print(f"  gallery {mutant.name}: {results[mutant.name]}", flush=True)
     return results
 
@@ -217,7 +220,9 @@ def bug_gallery(mutants: list[Mutant], outcomes: dict, runs: dict, when: str) ->
                 script, nproc, *argv = m.demo
                 command = (f"torchrun --nproc_per_node={nproc} " if nproc else "python ") + \
                     f"launch/{script}.py {' '.join(argv)}"
-                lines += [f"`{command}`: correct {_run_cell(runs[m.name]['correct'])}; with the bug "
+                how = f"`{command}`" if not m.demo_stop else \
+                    f"`{command} --max-steps {m.demo_stop}`, then the same with `--resume auto`"
+                lines += [f"{how}: correct {_run_cell(runs[m.name]['correct'])}; with the bug "
                           f"{_run_cell(runs[m.name]['mutant'])}.", ""]
             caught = f"`{o.test}`" + (f" (max abs diff {o.distance})" if o.distance else "") if o.test else \
                 o.status.upper()

@@ -10,7 +10,9 @@ assertion (or the named symptom: a timeout, a one-line error the test expects no
 `env` is extra environment for the kill run: tests/jobs.py reads JOB_SCENARIOS to run only the scenarios the named
 tests read (a multi-rank job's other scenarios cost minutes and prove nothing about this mutant).
 `demo` is the gallery's run: a launch script and its arguments (and torchrun's process count), run once with the
-mutant and once without; the gallery reports both runs' final validation loss and accuracy.
+mutant and once without; the gallery reports both runs' final validation loss and accuracy. A resume bug shows only in
+a resumed run: `demo_stop` stops the run after that many optimizer steps and resumes it to its end (the command
+needs --schedule constant, whose length may change across a resume).
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ class Mutant:
     report: str = ""  # the public report it mirrors, where one exists
     env: dict = field(default_factory=dict)
     demo: tuple = ()  # (script, nproc or 0 for plain python, *argv)
+    demo_stop: int = 0  # > 0: the gallery run stops after this many steps (--max-steps) and resumes (--resume auto)
 
 
 # The techniques, in the order of the kill matrix and the gallery, and the docs page each links from.
@@ -42,6 +45,7 @@ TECHNIQUES = {
     "pipeline": "docs/pipeline.md",
     "tensor-parallel": "docs/tensor_parallel.md",
     "precision": "docs/precision.md",
+    "levers": "docs/levers.md",
     "resume": "docs/checkpointing.md",
     "evaluation": "docs/evaluation.md",
 }

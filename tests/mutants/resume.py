@@ -2,16 +2,17 @@
 
 Most are killed by a 64-true single-process run killed in step 5 and resumed from step 4's mid-epoch last.pt on a
 short set, held bit for bit to the uninterrupted run (tests/test_checkpoint.py::
-test_a_mid_epoch_resume_on_a_short_set_is_bitwise); the world-size ones by the 4 -> 2 rank resumes of
-tests/test_world_size.py (its jobs run only the scenarios the test reads here).
+test_a_mid_epoch_resume_on_a_short_set_is_bitwise); the world-size and DCP (FSDP2) ones by the 4 -> 2 rank resumes
+of tests/test_world_size.py (its jobs run only the scenarios the test reads here).
 """
 from mutants import Mutant
 
 KILL = ("tests/test_checkpoint.py::test_a_mid_epoch_resume_on_a_short_set_is_bitwise",)
 POSITION = "    return (int(ckpt[\"epoch\"]), epoch_samples_done(ckpt) // micro_batch, int(ckpt[\"step\"]),"
-# a run with dropout that stops mid-epoch (--max-steps 60 of 94) and is resumed: the gallery compares the summary of
-# the resumed run
-DEMO = ("single", 0, "--model", "mlp", "--dropout", "0.2", "--epochs", "2", "--checkpoint-every-steps", "20")
+# the gallery's run: with dropout and a warm-up, stopped mid-epoch 1 (--max-steps 30 of 94) and resumed to its end
+# (constant after the warm-up: a cosine schedule's length may not change across a resume)
+DEMO = dict(demo=("single", 0, "--model", "mlp", "--dropout", "0.2", "--epochs", "2", "--schedule", "constant",
+                  "--warmup-steps", "40"), demo_stop=30)
 
 MUTANTS = [
     Mutant(
@@ -22,7 +23,7 @@ MUTANTS = [
         new="",
         says="The checkpoint's RNG streams not restored (Lightning's checkpoints hold none): after a resume every "
              "dropout mask, augmentation and worker seed differs from the uninterrupted run's.",
-        kill=KILL, demo=DEMO),
+        kill=KILL, **DEMO),
     Mutant(
         name="resume-no-scheduler-state",
         technique="resume",
@@ -31,7 +32,7 @@ MUTANTS = [
         new="",
         says="The LR scheduler's state not loaded: the resumed run restarts the schedule (warm-up, cosine) from step "
              "0 while the optimizer continues.",
-        kill=KILL, demo=DEMO),
+        kill=KILL, **DEMO),
     Mutant(
         name="resume-no-optimizer-state",
         technique="resume",
@@ -40,7 +41,7 @@ MUTANTS = [
         new="",
         says="The weights loaded, the optimizer's state not: SGD's momentum (Adam's moments and step count) starts "
              "from zero after every resume.",
-        kill=KILL, demo=DEMO),
+        kill=KILL, **DEMO),
     Mutant(
         name="resume-at-epoch-start",
         technique="resume",
@@ -49,7 +50,7 @@ MUTANTS = [
         new="    return (int(ckpt[\"epoch\"]), 0, int(ckpt[\"step\"]),",
         says="No sampler offset: a mid-epoch checkpoint resumes at its epoch's first batch, so the batches before "
              "it are trained twice (and the epoch's last ones never, when the step budget ends first).",
-        kill=KILL, demo=DEMO),
+        kill=KILL, **DEMO),
     Mutant(
         name="resume-position-in-saved-micro-steps",
         technique="resume",
@@ -61,6 +62,20 @@ MUTANTS = [
              "sample and replays or skips part of the epoch.",
         kill=("tests/test_world_size.py::test_saved_at_4_resumed_at_2_ends_where_the_uninterrupted_run_does[ddp_mid]",),
         env={"JOB_SCENARIOS": "ddp_mid,ddp_mid_at2"}),
+    Mutant(
+        name="resume-dcp-model-shards-only",
+        technique="resume",
+        file="manual_train/checkpoint.py",
+        old="    dcp.load(tensors, checkpoint_id=str(folder))\n",
+        new="    dcp.load({\"model\": tensors[\"model\"]}, checkpoint_id=str(folder))\n",
+        says="A sharded (DCP) resume that asks for the model's shards only: DCP reads into the tensors it is given, "
+             "so the optimizer's state (AdamW's moments and step count, set up empty by get_state_dict) stays at "
+             "zero on every rank, at any world size.",
+        kill=("tests/test_world_size.py::test_saved_at_4_resumed_at_2_ends_where_the_uninterrupted_run_does"
+              "[zero-dcp_mid]",),
+        env={"JOB_SCENARIOS": "zero-dcp_mid,zero-dcp_mid_at2"},
+        demo=("zero", 2, "--impl", "torch", "--stage", "2", "--checkpoint-format", "dcp", "--optimizer", "adamw",
+              "--lr", "1e-3", "--epochs", "2", "--schedule", "constant"), demo_stop=30),
     Mutant(
         name="resume-world-size-unchecked",
         technique="resume",
@@ -81,5 +96,6 @@ MUTANTS = [
         says="Early stopping's best and patience count not restored: a resumed run takes its first evaluation for a "
              "new best and stops a patience later than the uninterrupted run.",
         kill=("tests/test_early_stopping.py::test_a_resumed_run_continues_the_patience_count",),
-        demo=("single", 0, "--monitor", "val_acc", "--early-stop-patience", "2", "--epochs", "6")),
+        demo=("single", 0, "--monitor", "val_acc", "--early-stop-patience", "2", "--epochs", "6", "--schedule",
+              "constant"), demo_stop=94),
 ]

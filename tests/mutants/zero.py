@@ -68,7 +68,8 @@ MUTANTS = [
              "consolidating every rank's shard first: last.pt holds rank 0's shard alone, renumbered, and a resume "
              "restarts the other tensors' Adam moments from zero.",
         kill=("tests/test_zero_parity.py::test_checkpoint_holds_ddps_full_model_and_optimizer_state[torch1]",),
-        env={"JOB_SCENARIOS": "ddp_half,torch1_half"}, demo=demo(1, "torch", "--max-steps", "100")),
+        env={"JOB_SCENARIOS": "ddp_half,torch1_half"},
+        demo=demo(1, "torch", "--optimizer", "adamw", "--lr", "1e-3", "--schedule", "constant"), demo_stop=100),
     Mutant(
         name="zero-fsdp2-reshard-after-forward-inverted",
         technique="zero",
