@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
-# One-shot GPU check for a lent CUDA machine: the GPU-marked tests, then the GPU benchmark's entries in order of
-# what they prove, in about 6.5 minutes (BUDGET_S; the lease's budget is 8) on one H200.
+# One-shot GPU check for a CUDA machine: the GPU-marked tests, then the GPU benchmark's entries in order of
+# what they prove, in about 6.5 minutes (BUDGET_S) on one H200; raise BUDGET_S and TESTS_S to give it more.
 #
 #   scripts/gpu_check.sh                              # outputs in $OUT when set, else gpu-check-out/<time>/
 #   PYTHON=/opt/torch/.venv/bin/python3 scripts/gpu_check.sh
 #   scripts/gpu_check.sh --summarize pytest-gpu.log [PYTEST_EXIT]   # the test counts of a saved log, no GPU
 #
 # Which python: $PYTHON if set, else this checkout's .venv/bin/python if it exists and sees a CUDA device, else
-# python3. Nothing is installed or downloaded (a lent GPU machine reaches no package index): that python must have
-# torch with CUDA, torchvision, scikit-learn, tqdm, matplotlib, pytest and pytest-timeout, as the lent H200's image
-# does (torch 2.11, Python 3.12). The checkout goes on PYTHONPATH instead of `pip install -e .`. fairscale and
-# apex are optional: their tests skip, and the summary says so (docs/benchmarks.md: how to carry fairscale).
+# python3. Nothing is installed or downloaded (the GPU machine may reach no package index): that python must have
+# torch with CUDA, torchvision, scikit-learn, tqdm, matplotlib, pytest and pytest-timeout installed (checked with
+# torch 2.11 on Python 3.12 by reading, not by running). The checkout goes on PYTHONPATH instead of `pip install -e .`. fairscale and
+# apex are optional: their tests skip, and the summary says so (install fairscale into that python to run its tests).
 #
 # Time: the tests get at most TESTS_S (170 s), the benchmark what is left of BUDGET_S (380 s) minus a margin,
 # running the entries of BENCH_ONLY in that order; it rewrites bench.json/bench.md after every entry, so a time-out
@@ -62,7 +62,7 @@ summarize_tests() {
             passed = count(summary, "passed"); failed = count(summary, "failed")
             errors = count(summary, "error"); skips = count(summary, "skipped")
             ran = passed + failed + errors
-            if (ran + skips == 0) {  # a lent GPU with no GPU test to run has checked nothing: a failure
+            if (ran + skips == 0) {  # a GPU machine with no GPU test to run has checked nothing: a failure
                 printf "tests: NONE SELECTED: pytest -m gpu selected no GPU-marked test (pytest exit %d): nothing was checked\n", rc
                 exit 1
             }
@@ -155,7 +155,7 @@ if "$PY" -c 'import pytest' 2>/dev/null; then
     TEST_SUMMARY=$(summarize_tests "$OUT_DIR/pytest-gpu.log" "$PYTEST_RC")
     TESTS_RC=$?
 else
-    TEST_SUMMARY="tests: NOT RUN: $PY cannot import pytest (carry its wheels: docs/benchmarks.md, GPU suite)"
+    TEST_SUMMARY="tests: NOT RUN: $PY cannot import pytest (install pytest and pytest-timeout into it)"
     TESTS_RC=1
 fi
 echo "$TEST_SUMMARY"
