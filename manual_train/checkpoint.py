@@ -1,6 +1,6 @@
 """Checkpoints that survive crashes and resume exactly (docs/checkpointing.md).
 
-A checkpoint is a plain dict (DESIGN.md): model (the unwrapped model's fp32 state_dict), optimizer,
+A checkpoint is a plain dict (docs/checkpointing.md): model (the unwrapped model's fp32 state_dict), optimizer,
 scheduler, scaler, epoch, step, rng, early_stopping, config, world_size, plus `progress` (where in
 the epoch it was written and the run's counters). Everything in it is a tensor or a Python
 primitive, so it loads with `torch.load(weights_only=True)`: loading never runs pickled code.
@@ -363,14 +363,16 @@ def check_world_size_change(ckpt: dict, cfg: Config, world_size: int, flag: str 
     saved_size = ckpt["world_size"]
     why = None
     if cfg.dropout:
-        why = f"with --dropout {cfg.dropout} every rank draws its own masks from its own RNG stream"
+        why = f"with --dropout {cfg.dropout} every rank draws its own masks from its own RNG stream, which " \
+              f"{world_size} ranks cannot repeat"
     elif cfg.dataset in AUGMENTED:
-        why = f"--dataset {cfg.dataset} augments at random, every rank from its own RNG stream"
+        why = f"--dataset {cfg.dataset} augments at random, every rank from its own RNG stream, which {world_size} " \
+              "ranks cannot repeat"
     elif "hybrid" in (ckpt.get("script"), script):
-        why = "the hybrid loop pads its shards with repeats (DistributedSampler), which depend on the world size"
+        why = "the hybrid loop's resume is proven at its own world size only"
     if why:
         raise UsageError(flag, f"the checkpoint was written at world size {saved_size}, this run has {world_size}: "
-                               f"{why}, which {world_size} ranks cannot repeat", f"world size {saved_size}")
+                               f"{why}", f"world size {saved_size}")
 
 
 def epoch_samples_done(ckpt: dict) -> int:
@@ -385,7 +387,7 @@ def epoch_samples_done(ckpt: dict) -> int:
 def build_checkpoint(*, model_state: dict, optimizer_state: dict, scheduler, scaler_state: dict, early_stopping,
                      cfg: Config, epoch: int, micro_steps_done: int, step: int, samples_seen: int, best: dict,
                      world_size: int, **extra) -> dict:
-    """The checkpoint dict of DESIGN.md. `epoch` is the epoch being run; micro_steps_done > 0 means
+    """The checkpoint dict (docs/checkpointing.md). `epoch` is the epoch being run; micro_steps_done > 0 means
     it stopped mid-epoch (--max-steps), and a resume starts the sampler at that point."""
     return {
         "model": model_state,

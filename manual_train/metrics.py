@@ -1,4 +1,4 @@
-"""Run outputs (DESIGN.md): metrics.csv, summary.json, the console, a progress bar, TensorBoard.
+"""Run outputs (docs/logging.md): metrics.csv, summary.json, the console, a progress bar, TensorBoard.
 
 `RunLog` does only I/O, and only where `enabled` (rank 0): the loops decide what to log and when,
 and pass plain Python numbers (already synced to the host at a log step).
@@ -130,7 +130,7 @@ def run_summary(*, script: str, world_size: int, device, cfg, global_batch_size:
                 samples_seen: int, samples_this_run: int, val_loss: float, val_acc: float, best: dict,
                 early, skipped_steps: int, wall_s: float, data_wait_s: float, peak_mem_bytes: int, checkpoint: Path,
                 **extra) -> dict:
-    """The summary.json dict of DESIGN.md (loops pass their counters; extra keys go last)."""
+    """The summary.json dict (loops pass their counters; extra keys go last)."""
     return {
         "script": script, "world_size": world_size, "device": str(device), "precision": cfg.precision,
         "global_batch_size": global_batch_size, "epochs_run": epoch + 1, "optimizer_steps": step,

@@ -79,7 +79,7 @@ def test_scheduler_and_step_counter_advance_once_per_window(tmp_path):
 
 
 def test_cli_level_parity(tmp_path):
-    """The issue's done-when, through the real script, in 64-true: A/last.pt == B/last.pt within 1e-9."""
+    """The accumulation promise, through the real script, in 64-true: A/last.pt == B/last.pt within 1e-9."""
     common = ("--epochs", "2", "--precision", "64-true", "--no-progress")
     a = run_script("single", "--batch-size", "16", "--accumulate", "4", *common, "--out-dir", str(tmp_path / "A"))
     b = run_script("single", "--batch-size", "64", *common, "--out-dir", str(tmp_path / "B"))

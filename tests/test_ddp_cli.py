@@ -38,7 +38,7 @@ def test_help_lists_the_ddp_flags_and_the_torchrun_commands(capsys):
         assert flag in text
     assert "FOR TESTING" not in text and "--fail-at-step" not in text  # fault injection lives in tests/faults.py
     assert "torchrun --nproc_per_node=4 launch/ddp.py" in text
-    # the multi-node and Slurm recipes live in docs/ddp.md (issue 13: the lesson's docstring stays short)
+    # the multi-node and Slurm recipes live in docs/ddp.md (the lesson's docstring stays short)
     assert "docs/ddp.md" in text and "srun" not in text and "--rdzv-endpoint" not in text
     ddp_md = (Path(__file__).resolve().parents[1] / "docs" / "ddp.md").read_text()
     assert "--rdzv-endpoint" in ddp_md and "does not honour `--node-rank`" in ddp_md

@@ -1,4 +1,4 @@
-"""DDP on CUDA with nccl: skipped without the GPUs, run when a device is lent (marker `gpu`).
+"""DDP on CUDA with nccl: skipped without the GPUs, run on a machine with them (marker `gpu`).
 
 The CPU tests prove the loop; these prove the same script runs unchanged where it matters: nccl, one GPU per
 rank (cuda:LOCAL_RANK bound before init_process_group), and --sync-bn, which works on CUDA only.

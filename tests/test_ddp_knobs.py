@@ -38,7 +38,7 @@ from manual_train.loops import ddp, single
 from manual_train.loops import zero as zero_loop
 from manual_train.zero import ZeroConfig
 
-KNOB_STEPS = 30  # the 30 SGD steps, digits, 2 ranks x 16
+KNOB_STEPS = 30  # 30 SGD steps, digits, 2 ranks x 16
 KNOBS = {"plain": {}, "bucket_tiny": {"bucket_cap_mb": 0.01}, "bucket_huge": {"bucket_cap_mb": 1000},
          "views": {"gradient_as_bucket_view": True}, "static": {"static_graph": True},
          "unused": {"find_unused_parameters": True}, "fp16": {"comm_hook": "fp16"}, "bf16": {"comm_hook": "bf16"},

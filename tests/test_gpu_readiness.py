@@ -1,6 +1,6 @@
 """What reading the CUDA paths found, checked on the CPU wherever a CPU can check it.
 
-The rest runs where a GPU is lent (tests/test_one_gpu.py, the gpu-marked tests of the other files), through
+The rest runs where a GPU is present (tests/test_one_gpu.py, the gpu-marked tests of the other files), through
 scripts/gpu_check.sh, whose own parts are checked here too: its syntax and how it counts the tests that ran.
 A CUDA machine is imitated (torch.cuda.is_available, device_count) only where the code under test merely asks
 whether one is there.
@@ -247,7 +247,7 @@ def test_gpu_check_says_passed_only_with_the_counts(tmp_path):
 
 
 def test_gpu_check_fails_when_every_gpu_test_skipped(tmp_path):
-    """On a lent GPU the one-GPU tests must run: all of them skipping means pytest saw no CUDA."""
+    """On a GPU machine the one-GPU tests must run: all of them skipping means pytest saw no CUDA."""
     log = ("SKIPPED [9] tests/conftest.py:63: needs 1 CUDA device(s)\n"
            "========== 9 skipped, 600 deselected in 5.02s ==========\n")
     proc = _summarize(tmp_path, log, 0)
@@ -280,7 +280,7 @@ def test_setup_cfg_and_readme_claim_the_same_torch_range():
     setup.read(REPO / "setup.cfg")
     requires = setup["options"]["install_requires"]
     low = re.search(r"^torch>=([\d.]+)$", requires, flags=re.M).group(1)
-    requirements = (REPO / "README.md").read_text().split("## Requirements", 1)[1].split("\n## ", 1)[0]
+    requirements = (REPO / "README.md").read_text().split("## Install", 1)[1].split("\n## ", 1)[0]
     assert f"torch >= {low}" in requirements
     installed = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
     assert installed >= tuple(int(p) for p in low.split(".")[:2])

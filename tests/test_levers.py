@@ -183,7 +183,7 @@ def test_ddp_and_zero_train_gpt_the_same_with_checkpointing_and_another_impl(loo
 
 def test_the_compile_entry_is_registered_with_the_issues_goal():
     """`python -m manual_train.bench --only compile` (slow: three compiles, not run here): eager, --compile model and
-    blocks side by side; the goal is issue 15's 1.55x for blocks, stated, not asserted."""
+    blocks side by side; the goal is 1.55x for blocks, stated, not asserted."""
     from manual_train.bench import cpu, levers
     from manual_train.config import COMPILE
 

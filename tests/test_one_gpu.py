@@ -1,4 +1,4 @@
-"""What one GPU can prove (marker `gpu`; skipped without CUDA, run by scripts/gpu_check.sh on a lent machine).
+"""What one GPU can prove (marker `gpu`; skipped without CUDA, run by scripts/gpu_check.sh on a GPU machine).
 
 Most GPU tests need two or four GPUs. These run the multi-device loops with one GPU named twice (model
 parallelism and the dp-mp hybrid: both halves on cuda:0, the same code path as two GPUs less the copies between

@@ -58,7 +58,7 @@ def test_resuming_a_finished_run_says_so_and_touches_nothing(finished, capsys):
 
 
 @pytest.mark.parametrize("argv, flag, words", [
-    (["--epochs", "1"], "--epochs", "changes the length of the cosine LR schedule"),  # the epoch-2 -> 1
+    (["--epochs", "1"], "--epochs", "changes the length of the cosine LR schedule"),  # a run of 2 epochs resumed with 1
     (["--epochs", "3"], "--epochs", "changes the length of the cosine LR schedule"),
     (["--epochs", "2", "--batch-size", "64"], "--batch-size", "global batch 64 differs from the checkpoint's 32"),
     (["--epochs", "2", "--lr", "0.1"], "--resume", "checkpoint was trained with --lr 0.05, this run has 0.1"),

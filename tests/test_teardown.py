@@ -97,14 +97,14 @@ def cpu_load():
             burner.wait()
 
 
-# The issue's commands, shortened: 10 DDP jobs, 3 ZeRO (torch, stage 2: FSDP2), 3 hybrid ddp-mp.
+# The jobs that once aborted in teardown, shortened: 10 DDP jobs, 3 ZeRO (torch, stage 2: FSDP2), 3 hybrid ddp-mp.
 JOBS = [("ddp", ())] * 10 + [("zero", ("--impl", "torch", "--stage", "2"))] * 3 + [("hybrid", ("--mode", "ddp-mp"))] * 3
 CONCURRENT_JOBS = 2  # two jobs at a time: each loads the machine for the other, and the 16 fit in ~2 min
 
 
 @pytest.mark.stress  # `make stress`: 16 torchrun jobs beside 4 CPU burners, 2-6 minutes on 2 cores
 def test_a_finished_job_exits_0_every_time_under_cpu_load(cpu_load, tmp_path):
-    """The issue's symptom: every run must exit 0. A race, so this test can pass on broken code: before the fix,
+    """The symptom: every run must exit 0. A race, so this test can pass on broken code: before the fix,
     one job at a time with 4 burners aborted after `done:` in about 1 run in 10 (5 of 54), and this test's setting
     in 1 of 32 (it failed 1 time in 2); test_no_gloo_thread_outlives_teardown checks the cause every time."""
 

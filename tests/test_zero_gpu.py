@@ -1,4 +1,4 @@
-"""ZeRO on CUDA with nccl: skipped without the GPUs, run when a device is lent (marker `gpu`).
+"""ZeRO on CUDA with nccl: skipped without the GPUs, run on a machine with them (marker `gpu`).
 
 fairscale's stage 3 (FullyShardedDataParallel) runs on CUDA only, so it is proven here; so are fairscale's
 ShardedGradScaler (it disables itself without CUDA) and FSDP2's mixed precision on a GPU. The fp32 MLP is the model

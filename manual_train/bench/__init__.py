@@ -5,7 +5,7 @@
 
 Every entry runs a baseline and its variant interleaved (A B A B ...) after a warm-up, repeats that,
 and reports the median of the per-repeat ratios with their min-max spread, next to what the source
-articles claimed and the goal from the issue (met or not: the number is reported either way).
+articles claimed and the project's goal where one is set (met or not: the number is reported either way).
 
   cli.py      flags, the loop over entries (tqdm), writing the outputs
   harness.py  fresh measurement processes, peak RSS, interleaving, the Row/Goal/Outcome records

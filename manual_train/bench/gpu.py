@@ -1,7 +1,7 @@
 """GPU entries (`python -m manual_train.bench --suite gpu`): precision, copies, host syncs, compile, cuDNN, MFU,
 TF32, CUDA graphs.
 
-Written to be run on a lent CUDA machine by scripts/gpu_check.sh. Every `_..._child` function runs in
+Written to be run on a CUDA machine by scripts/gpu_check.sh. Every `_..._child` function runs in
 a fresh process and takes a `device` argument, so tests/test_bench.py can walk its code on the CPU
 with tiny sizes; CUDA-only readings (events, allocator peaks, the sync debug mode) are None there.
 
@@ -550,7 +550,7 @@ def matmul_peak_flops(device, n: int = 8192, dtype_name: str = "bfloat16", warmu
                       matmuls_per_block: int = 20, blocks: int = 5) -> dict:
     """FLOP/s of n x n x n matmuls on random data, after about `warmup_s` of them.
 
-    An idle GPU runs at a low clock (a lent H200 read 345 MHz idle, 1980 MHz under load) and takes longer
+    An idle GPU runs at a low clock (an H200 read 345 MHz idle, 1980 MHz under load) and takes longer
     than a few products to raise it: a peak timed after ~5 ms of warm-up is a slow GPU's, which inflates every
     MFU computed against it. So: products for about a second first, then `blocks` blocks of `matmuls_per_block`
     back-to-back products, one pair of CUDA events per block. Timing products one by one would wait on the host
@@ -702,7 +702,7 @@ def cuda_graphs(bench: Bench) -> Outcome:
                            "graphs' own share)", times["default"], times["reduce-overhead"])]
         rows += [value_row(bench.entry, "-", f"compile {mode}", f"time of the first {bench.pick(5, 10)} steps "
                            "(compile, record)", [raw["warmup_s"][mode]], unit="s") for mode in COMPILE_MODES[1:]]
-    return Outcome(rows, raw, ["Reported, no goal (the issue sets none): CUDA graphs save the host's kernel launches, "
+    return Outcome(rows, raw, ["Reported, no goal (none is set): CUDA graphs save the host's kernel launches, "
                                "which matter most on a launch-bound step like this small GPT's."])
 
 

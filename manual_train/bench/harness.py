@@ -39,7 +39,7 @@ PRELOAD = ["torch", "torch._dynamo", "torchvision", "manual_train.loops.single",
 # ---------------------------------------------------------------------- results
 @dataclass
 class Goal:
-    """A target from the issue, e.g. Goal("<=", 1.05). Reported whether or not it is met."""
+    """A target the project set, e.g. Goal("<=", 1.05). Reported whether or not it is met."""
 
     op: str  # "<=" or ">="
     value: float

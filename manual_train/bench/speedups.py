@@ -5,7 +5,7 @@ optimizer (foreach=False, fused=False), eager modules, and `loss.item()` appende
 side is loops.single.train through the project's own flags (docs/levers.md), each where it helps on this machine:
 
   --compile model             GPT only: 17-20% off its eager step here (docs/levers.md: blocks gave 1.00x); the cnn
-                              compiled to 0.97x of eager (issue 15), so it runs eager
+                              runs eager (compile is measured on the GPT alone, docs/levers.md)
   --optimizer-impl fused      one kernel per step for every parameter (4-5x the for-loop optimizer's step)
   --log-every 10 (default)    one .item() (host sync) per 10 steps instead of every step (free on a CPU, where
                               nothing runs asynchronously; on a GPU each sync stalls the queue)
