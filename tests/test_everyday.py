@@ -155,6 +155,7 @@ def test_ddp_mid_epoch_resume_with_dropout_is_bitwise(tmp_path):
     assert proc.returncode != 0 and checkpoint(tmp_path / "B")["step"] == 10
     proc = run_script("ddp", "--out-dir", str(tmp_path / "B"), "--resume", "auto", *flags, launcher=torchrun(2))
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "at step 10, in epoch 1" in proc.stdout  # a resume, not a rerun from scratch (which ends bitwise equal too)
     assert_bitwise(load_model_state(tmp_path / "A"), load_model_state(tmp_path / "B"))
 
 
