@@ -199,7 +199,7 @@ def test_existing_run_folder_is_not_overwritten(tmp_path, capsys):
 
 
 def test_a_diverging_lr_stops_with_the_step_named(tmp_path):
-    proc = run_script("single", "--lr", "1000", "--log-every", "1", "--no-progress", "--out-dir", str(tmp_path / "d"))
+    proc = run_script("single", "--model", "mlp", "--lr", "1e8", "--log-every", "1", "--no-progress", "--out-dir", str(tmp_path / "d"))
     assert proc.returncode == 1
     err = proc.stderr.strip().splitlines()
     assert len(err) == 1 and "training loss is nan at step" in err[0] and "Traceback" not in proc.stderr
@@ -214,6 +214,6 @@ def test_divergence_after_a_checkpoint_keeps_it(tmp_path, monkeypatch):
 
     monkeypatch.setattr(single, "loss_fn", nan_from_step_60)
     with pytest.raises(TrainingDiverged, match="at step 61.*last good checkpoint"):
-        single.train(make_cfg(tmp_path, epochs=3, log_every=1))
+        single.train(make_cfg(tmp_path, model="mlp", epochs=3, log_every=1))
     kept = torch.load(tmp_path / "run" / "last.pt", weights_only=True)
     assert kept["step"] == 47 and all(v.isfinite().all() for v in kept["model"].values())
