@@ -58,6 +58,11 @@ NO_COMPILE = {
 PRECISIONS = ("32-true", "64-true", "16-mixed", "bf16-mixed")
 # apex's O2 is its own lesson: only launch/apex_o2.py takes these (manual_train.precision.O2Config, loops/apex_o2.py)
 O2_PRECISIONS = ("16-o2", "apex-o2")
+# GradScaler hands a fused optimizer the skip decision (found_inf); torch 2.14's fused SGD kernel still writes its
+# momentum buffer on a skipped (overflow) step: the next real step jumps by it and the run reaches NaN (fused AdamW
+# leaves its state at zero; LibreYOLO/libreyolo#771 saw the same on CUDA). So 16-mixed never fuses SGD (optim.py).
+SCALER_SKIPS_FUSED_SGD = ("fused SGD writes its momentum on the steps the 16-mixed loss scaler skips (torch 2.14), "
+                          "so one overflow corrupts the run")
 # --seed: each rank reseeds numpy with seed + rank, and numpy takes seeds below 2**32; 2**31 - 1 leaves room
 # for 2**31 ranks.
 MAX_SEED = 2 ** 31 - 1
@@ -265,6 +270,8 @@ class Config:
             raise UsageError("--model", f"--dataset reverse is a sequence task; {self.model} is an image model",
                              "seq2seq, gpt")
         check_device_name(self.device, "--device")
+        if getattr(self, "optimizer_impl", None) == "fused" and self.optimizer == "sgd" and self.precision == "16-mixed":
+            raise UsageError("--optimizer-impl", SCALER_SKIPS_FUSED_SGD, "foreach, for-loop, or --optimizer adamw")
 
     def check_precision_choice(self) -> None:
         """--precision is one of PRECISIONS; apex's O2 is refused with a pointer to its own script (O2Config, which

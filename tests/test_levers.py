@@ -72,6 +72,39 @@ def test_fused_sgd_on_dtensors_falls_back_by_default_and_is_refused_when_asked()
         dtensor_kwargs(torch.optim.SGD, kwargs, "fused")
 
 
+def _skipped_step_state(optimizer, model) -> dict:
+    """The optimizer's state for model.weight after one 16-mixed step whose gradients overflow (the scaler skips it)."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=1e9)
+    scaler.scale(model(torch.randn(3, 4)).sum() * 1e30).backward()
+    scaler.unscale_(optimizer)
+    scaler.step(optimizer)
+    scaler.update()
+    return optimizer.state[model.weight]
+
+
+def test_16_mixed_never_fuses_sgd_whose_kernel_writes_momentum_on_skipped_steps(tmp_path):
+    """torch's fused SGD (the known-wrong variant, torch itself) writes a momentum buffer on a step the loss scaler
+    skips; the next real step then jumps by it. The built optimizer falls back to foreach under 16-mixed (a skipped
+    step leaves no state), an explicit fused is one line, and a run that overflows for its first 12 steps (loss
+    scale 1e9) trains instead of reaching NaN. If a torch release fixes the kernel, the first assertion fails: lift
+    the fallback (config.SCALER_SKIPS_FUSED_SGD)."""
+    from manual_train.loops import single
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    assert "momentum_buffer" in _skipped_step_state(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9,
+                                                                    fused=True), model)
+    model = torch.nn.Linear(4, 2)
+    built = build_optimizer(_cfg("--precision", "16-mixed"), model.parameters(), 0.05)
+    assert not built.param_groups[0]["fused"] and built.param_groups[0]["foreach"]
+    assert _skipped_step_state(built, model) == {}
+    with pytest.raises(UsageError, match="fused SGD writes its momentum"):
+        _cfg("--precision", "16-mixed", "--optimizer-impl", "fused")
+    summary = single.train(make_cfg(tmp_path, model="mlp", precision="16-mixed", loss_scale_init=1e9, max_steps=40,
+                                    log_every=5))
+    assert summary["skipped_steps"] >= 10 and summary["final_val_acc"] > 0.5, summary
+
+
 def _grads(name: str, mode: str):
     """One float64 backward (a recompute is another code path: 64-true, not fp32 bits, is what holds on any CPU)."""
     torch.manual_seed(0)

@@ -43,9 +43,10 @@ class InfGrad(torch.autograd.Function):
 @pytest.mark.parametrize("precision, impl", [("16-mixed", "for-loop"), ("16-mixed", "fused"), ("16-o2", "for-loop")])
 def test_injected_inf_skips_the_step_and_the_scheduler(tmp_path, monkeypatch, precision, impl):
     """The 5th micro-batch's backward makes every gradient inf (its loss stays finite). That step must leave the
-    weights as they were (for-loop kernels: optimizer.step is not even called; a fused optimizer is called with
-    GradScaler's found_inf and skips the update inside its kernel), not advance the LR schedule, halve the loss
-    scale, and be counted in summary.json; the 7 others step."""
+    weights as they were (for-loop kernels: optimizer.step is not even called; a fused optimizer, AdamW, is called
+    with GradScaler's found_inf and skips the update inside its kernel; fused SGD is never built under 16-mixed,
+    tests/test_levers.py), not advance the LR schedule, halve the loss scale, and be counted in summary.json; the 7
+    others step."""
     module, _ = loop_for(precision)
     real_loss_fn, calls, events = module.loss_fn, [], []
 
@@ -61,7 +62,8 @@ def test_injected_inf_skips_the_step_and_the_scheduler(tmp_path, monkeypatch, pr
     hooks = [register_optimizer_step_pre_hook(lambda opt, *_: events.append(("pre", len(calls), snapshot(opt)))),
              register_optimizer_step_post_hook(lambda opt, *_: events.append(("post", len(calls), snapshot(opt))))]
     try:
-        summary = train(tmp_path, precision, model="mlp", max_steps=8, log_every=1, optimizer_impl=impl)
+        summary = train(tmp_path, precision, model="mlp", max_steps=8, log_every=1, optimizer_impl=impl,
+                        **(dict(optimizer="adamw", lr=1e-3) if impl == "fused" else {}))
     except TrainingDiverged as e:  # the loop's NaN abort: the overflow reached the weights instead of being skipped
         pytest.fail(f"the overflowing step was not skipped: {e}")
     finally:

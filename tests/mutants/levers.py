@@ -1,4 +1,4 @@
-"""The speed and memory levers (manual_train/models.py's Recomputed, manual_train/optim.py's keep_impl).
+"""The speed and memory levers (manual_train/models.py's Recomputed, manual_train/optim.py's keep_impl and build_optimizer).
 
 Activation checkpointing recomputes each block's forward in backward: the recompute must see what forward saw
 (the same dropout masks) and must not change state forward already changed (BatchNorm's running statistics). Killed
@@ -42,4 +42,17 @@ MUTANTS = [
         says="load_state_dict copies the checkpoint's param_groups, fused and foreach included: a run resumed with "
              "another --optimizer-impl silently steps with the one it was saved with.",
         kill=("tests/test_levers.py::test_resume_keeps_the_impl_it_was_built_with",)),
+    Mutant(
+        name="levers-fused-sgd-under-16-mixed",
+        technique="levers",
+        file="manual_train/optim.py",
+        old="                                      cfg.optimizer == \"sgd\" and cfg.precision == \"16-mixed\", "
+            "SCALER_SKIPS_FUSED_SGD,\n",
+        new="                                      False, SCALER_SKIPS_FUSED_SGD,\n",
+        says="The fastest kernel everywhere: fused SGD under the 16-mixed loss scaler, whose kernel writes its "
+             "momentum on the overflow steps the scaler skips; the first real step jumps by it and the run reaches "
+             "NaN.",
+        report="LibreYOLO/libreyolo#771 (fused SGD corrupts momentum on scaler-skipped steps)",
+        kill=("tests/test_levers.py::test_16_mixed_never_fuses_sgd_whose_kernel_writes_momentum_on_skipped_steps",),
+        demo=("single", 0, "--precision", "16-mixed", "--model", "mlp", "--loss-scale-init", "1e9", "--epochs", "2")),
 ]
