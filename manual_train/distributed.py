@@ -14,8 +14,9 @@ import importlib
 import math
 import os
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -112,13 +113,28 @@ def setup(env: DistEnv, device: torch.device, backend: str = "auto", timeout_s: 
                             device_id=device if device.type == "cuda" and bind_device else None)
 
 
+@contextmanager
+def process_group(cfg) -> Iterator[tuple[DistEnv, torch.device]]:
+    """`with process_group(cfg) as (env, device):` who this process is (torchrun's environment) and its device, inside
+    the process group. The device (cuda:LOCAL_RANK) is bound before init_process_group (setup), and the group is left
+    on every exit path (teardown): destroy_process_group frees the communicators and lets a process join another
+    group later. Under plain python, a group of one: the same code path everywhere."""
+    env = read_env()
+    device = pick_device(cfg.device, env)
+    setup(env, device, cfg.backend, cfg.dist_timeout_s)
+    try:
+        yield env, device
+    finally:
+        teardown()
+
+
 def restart_safe_store(env: DistEnv, timeout: datetime.timedelta):
     """Under torchrun, the agent's store with this restart attempt's keys kept apart; None elsewhere (env://).
 
     torchrun's agent hosts one TCPStore at MASTER_ADDR:MASTER_PORT and (torch 2.14) keeps it across the
     restarts of --max-restarts. Its keys outlive a failed group, so the restarted group can read the dead
-    ranks' addresses and fail to connect (gloo: "connectFullMesh failed ... Connection refused"; pytorch
-    issue 167288). A prefix per attempt, as torch itself used before it shared the store, keeps each
+    ranks' addresses and fail to connect (gloo: "connectFullMesh failed ... Connection refused";
+    pytorch/pytorch#167288). A prefix per attempt, as torch itself used before it shared the store, keeps each
     attempt's keys its own. (Setting TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun avoids it too.)
     """
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
@@ -239,6 +255,16 @@ class DDPConfig(Config):
                  "--find-unused-parameters": self.find_unused_parameters}
         return [flag for flag, set_ in given.items() if set_]
 
+    def ddp_kwargs(self, device: torch.device) -> dict:
+        """DistributedDataParallel's keyword arguments for this run: this rank's GPU (None on the CPU) and DDP's own
+        knobs. Each keeps the weights bit for bit (docs/ddp_knobs.md has what each buys and costs, measured):
+        bucket_cap_mb (small buckets start sending sooner but cost more calls), gradient_as_bucket_view (.grad
+        lives in its bucket: one copy less), static_graph (the same parameters every step: buckets planned once),
+        find_unused_parameters (walk each step's graph for unused parameters: slower)."""
+        return dict(device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=self.bucket_cap_mb,
+                    gradient_as_bucket_view=self.gradient_as_bucket_view, static_graph=self.static_graph,
+                    find_unused_parameters=self.find_unused_parameters)
+
     def validate(self) -> None:
         super().validate()
         env = read_env()
@@ -262,6 +288,21 @@ class DDPConfig(Config):
                 raise UsageError("--nproc_per_node", f"{env.local_world_size} ranks on this node but only "
                                                      f"{torch.cuda.device_count()} CUDA device(s)",
                                  f"at most {torch.cuda.device_count()}, or --device cpu")
+
+
+def sync_batchnorm(model: torch.nn.Module, cfg: DDPConfig) -> torch.nn.Module:
+    """--sync-bn: the model with its BatchNorm layers converted to SyncBatchNorm (statistics over the global batch,
+    one extra all-reduce per BatchNorm layer in every forward; CUDA only, refused on the CPU by DDPConfig.validate);
+    without it, the model itself."""
+    return torch.nn.SyncBatchNorm.convert_sync_batchnorm(model) if cfg.sync_bn else model
+
+
+def with_comm_hook(model, cfg: DDPConfig):
+    """The DDP-wrapped model with --comm-hook's hook registered (fp16, bf16, powersgd: fewer bytes per all-reduce,
+    lossy; see comm_hook), or as it is for --comm-hook none (DDP's own exact all-reduce)."""
+    if cfg.comm_hook != "none":
+        model.register_comm_hook(*comm_hook(cfg, model))
+    return model
 
 
 def all_sum(*values, device: torch.device) -> list[torch.Tensor]:

@@ -9,9 +9,11 @@ plus lines marked with its technique's tag (docs/CONTRIBUTING-loops.md):
     changed_line()  # DDP: why
 
 This module renders `diff base derived` per loop into docs/diffs/<loop>.md, one section per hunk,
-with the hunk's marker reasons as its explanation, and checks two things tests/test_docs.py
-enforces: the committed pages equal what the code renders now (they cannot go stale), and no loop
-changes a line outside a marked block (the diff stays the lesson it claims to be).
+with the hunk's marker reasons as its explanation, and checks what tests/test_docs.py enforces: the
+committed pages equal what the code renders now (they cannot go stale), no loop changes a line outside
+a marked block (the diff stays the lesson it claims to be), and the lesson stays short to read: no
+comment block of more than 3 lines inside a marked hunk, no loop docstring over 15 lines (the long why,
+measurements and command lists belong on the technique's docs page).
 
     python -m manual_train.docs           # rewrite docs/diffs/*.md
     python -m manual_train.docs --check   # exit 1 listing stale pages and unmarked lines
@@ -132,6 +134,36 @@ def reasons(lines: list[str], indices: range, tag: str) -> list[str]:
         if m and m.group(1).strip():
             out.append(m.group(1).strip())
     return [r for r in out if r]
+
+
+MAX_HUNK_COMMENT_LINES = 3  # consecutive comment lines inside a marked hunk; the long why goes to docs/<technique>.md
+MAX_DOCSTRING_LINES = 15  # a loop module's docstring; long command lists and explanations go to its docs page
+
+
+def long_hunk_comments(lines: list[str], tag: str) -> list[str]:
+    """Runs of more than MAX_HUNK_COMMENT_LINES consecutive comment lines marked with `tag` (inside its
+    `# >>> TAG` ... `# <<< TAG` block, or carrying `# TAG`), one line each. A closing marker ends a run."""
+    marked, found, run = marked_lines(lines, tag), [], []
+    for i, line in enumerate([*lines, ""]):
+        stripped = line.strip()
+        if i in marked and stripped.startswith("#") and not stripped.startswith(f"# <<< {tag}"):
+            run.append(i)
+            continue
+        if len(run) > MAX_HUNK_COMMENT_LINES:
+            found.append(f"lines {run[0] + 1}-{run[-1] + 1}: a comment block of {len(run)} lines in a marked hunk "
+                         f"(at most {MAX_HUNK_COMMENT_LINES}; the long why goes to the technique's docs page)")
+        run = []
+    return found
+
+
+def docstring_lines(text: str) -> int:
+    """How many lines the module's docstring spans (0 without one). Reads only the first tokens, so a module that
+    does not parse further down (an edit in progress) still gets its docstring counted."""
+    for tok in tokenize.generate_tokens(io.StringIO(text).readline):
+        if tok.type in (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.ENCODING):
+            continue
+        return tok.end[0] - tok.start[0] + 1 if tok.type == tokenize.STRING else 0
+    return 0
 
 
 def render(loop: Loop, root: Path = REPO) -> str:
@@ -275,21 +307,31 @@ def existing_loops(root: Path = REPO) -> list[Loop]:
 
 
 def problems(root: Path = REPO) -> list[str]:
-    """Stale pages and unmarked lines, one line each (empty when all is well)."""
+    """Stale pages, unmarked lines, long comment blocks in marked hunks and long loop docstrings, one line each
+    (empty when all is well)."""
     found = []
+    for name in ["single", *(loop.name for loop in existing_loops(root))]:
+        path = root / "manual_train" / "loops" / f"{name}.py"
+        n = docstring_lines(path.read_text()) if path.exists() else 0
+        if n > MAX_DOCSTRING_LINES:
+            found.append(f"manual_train/loops/{name}.py: its docstring is {n} lines (at most {MAX_DOCSTRING_LINES}; "
+                         f"move command lists and explanations to its docs page)")
     for loop in existing_loops(root):
         page = page_path(loop, root)
         if not page.exists() or page.read_text() != render(loop, root):
             found.append(f"{page.relative_to(root)} is out of date: run python -m manual_train.docs")
         found += [f"manual_train/loops/{loop.name}.py: unmarked {d}"
                   for d in unmarked_differences(loop_lines(loop.base, root), loop_lines(loop.name, root), loop.tag)]
+        found += [f"manual_train/loops/{loop.name}.py: {d}" for d in long_hunk_comments(loop_lines(loop.name, root),
+                                                                                         loop.tag)]
     return found
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m manual_train.docs", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--check", action="store_true", help="only check; exit 1 on stale pages or unmarked lines")
+    parser.add_argument("--check", action="store_true", help="only check; exit 1 on stale pages, unmarked lines, "
+                        "comment blocks over 3 lines in marked hunks or loop docstrings over 15 lines")
     parser.add_argument("--stats", action="store_true", help="print the lesson budget table (diff sizes, lengths)")
     args = parser.parse_args(argv)
     if args.stats:

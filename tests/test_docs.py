@@ -52,6 +52,38 @@ def test_the_checks_catch_an_unmarked_edit_and_a_stale_page(tmp_path):
     assert any("unmarked line" in f and "torch.set_num_threads(1)" in f for f in found)
 
 
+def test_the_checks_catch_a_long_comment_block_in_a_hunk_and_a_long_docstring(tmp_path):
+    """--check fails on a comment block of more than 3 lines inside a marked hunk and on a loop docstring of more than
+    15 lines (the long why belongs on the technique's docs page); the tree passes both."""
+    loops = tmp_path / "manual_train" / "loops"
+    loops.mkdir(parents=True)
+    (tmp_path / "docs" / "diffs").mkdir(parents=True)
+    for name in ("single", "ddp"):
+        shutil.copy(REPO / "manual_train" / "loops" / f"{name}.py", loops)
+    shutil.copy(REPO / "docs" / "diffs" / "ddp.md", tmp_path / "docs" / "diffs")
+    assert docs.problems(tmp_path) == []
+    ddp = loops / "ddp.py"
+    text = ddp.read_text()
+    hunk = "    seed_everything(cfg.seed + env.rank)"
+    assert text.count(hunk) == 1
+    ddp.write_text(text.replace(hunk, "    # one\n    # two\n    # three\n    # four: a fourth comment line\n" + hunk))
+    found = docs.problems(tmp_path)
+    assert any("comment block of 4 lines in a marked hunk" in f for f in found), found
+    assert not any("docstring" in f for f in found)
+    ddp.write_text(text.replace('"""Distributed', '"""Distributed\n' + "\n" * 5, 1))
+    found = docs.problems(tmp_path)
+    assert any("ddp.py: its docstring is" in f for f in found), found
+    assert not any("comment block" in f for f in found)
+    # the same four comment lines outside any marked hunk are the baseline's business, not the check's
+    assert docs.long_hunk_comments(["# a", "# b", "# c", "# d", "x = 1"], "DDP") == []
+    assert docs.long_hunk_comments(["# >>> DDP: a", "# b", "# c", "x = 1", "# <<< DDP"], "DDP") == []
+
+
+def test_the_tree_has_no_long_hunk_comments_or_loop_docstrings():
+    long = [f for f in docs.problems() if "comment block" in f or "docstring" in f]
+    assert long == [], "\n".join(long)
+
+
 # ---------------------------------------------------------------------- the lesson budget
 def test_stats_count_code_lines_and_the_marked_share(tmp_path):
     """--stats on a hand-made pair: docstrings, comments and blank lines are not code; marked lines count as the

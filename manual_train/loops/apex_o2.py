@@ -8,16 +8,9 @@
     python launch/apex_o2.py --precision apex-o2 --device cuda  # apex.amp itself (apex <= 25.05, from source)
 
 `diff manual_train/loops/single.py manual_train/loops/apex_o2.py` is the lesson; every changed line is marked O2:
-  the model ........ fp32 master copies of the weights cloned first, then the model cast to fp16 except BatchNorm
-                     (cast_o2); inputs cast to fp16, outputs to fp32 (O2Forward); the optimizer steps the masters
-  backward ......... the loss times the loss scale: fp16 gradients, accumulating scaled over the window
-  the step ......... the fp16 gradients to fp32, unscaled, into the masters; one host sync checks them for inf/NaN;
-                     a clean step steps the masters and copies them into the fp16 model, an overflow skips it; the
-                     scale (DynamicLossScaler) halves after an overflow and doubles after 2000 clean steps
-  checkpoints ...... the fp32 masters (O2Masters): a resume continues exactly, a 32-true run can load them
---precision apex-o2 lets apex.amp (initialize, scale_loss) do all of this: the reference the lines write out. torch
-has no O2 of its own (its autocast, --precision 16-mixed on the other scripts, is apex's O1; docs/precision.md).
-The pieces and O2Config (--precision 16-o2 | apex-o2, --loss-scale-max) are in manual_train/precision.py.
+fp32 masters cloned first, the model cast to fp16 except BatchNorm, a scaled loss, the fp16 gradients unscaled into
+the masters, a step that an overflow skips, the masters copied back. --precision apex-o2 lets apex.amp do all of
+it. Each step and why: docs/precision.md; the pieces and O2Config are in manual_train/precision.py.
 """
 # <<< O2
 from __future__ import annotations
@@ -63,10 +56,9 @@ def train(cfg: O2Config) -> dict:  # O2
 
     torch.manual_seed(cfg.seed)  # right before building: the same --seed gives the same weights in every loop
     raw_model = build_model_from(cfg, info).to(param_dtype(cfg.precision)).to(device)  # moved once
-    # >>> O2: fp32 master copies of the weights, cloned BEFORE the cast (apex cloned after it, rounding the initial
-    # weights once; cloning first keeps them). Then the model to fp16 except BatchNorm, whose running variance and
-    # reductions lose too much in fp16 (cast_o2); O2Forward casts its inputs to fp16 and its outputs to fp32, so the
-    # loss is computed in fp32. The optimizer steps the masters: 6 bytes per parameter, plus optimizer state.
+    # >>> O2: fp32 master copies of the weights, cloned BEFORE the cast; then the model to fp16 except BatchNorm
+    # (cast_o2), inputs to fp16 and outputs to fp32 (O2Forward); the optimizer steps the masters (docs/precision.md,
+    # "The hand-written O2, step by step")
     amp = apex_amp_or_error() if cfg.precision == "apex-o2" else None
     if amp:  # apex-o2: apex does all of this itself, and keeps its masters and copies them back itself
         model, optimizer = amp.initialize(raw_model, build_optimizer(cfg, raw_model.parameters(), lr), opt_level="O2")
@@ -78,17 +70,22 @@ def train(cfg: O2Config) -> dict:  # O2
         optimizer = build_optimizer(cfg, master_params, lr)
     # <<< O2
     scheduler = build_scheduler(cfg, optimizer, total_steps)
-    # >>> O2: no autocast (a context that changes nothing: the model itself is fp16). fp16 gradients of small losses
-    # underflow to zero, so the loss is multiplied by a scale before backward and the gradients divided by it
-    # after: apex's dynamic rule, 2**16 to start, halved after an overflow, doubled after 2000 clean steps, at most
-    # 2**24 (--loss-scale-*). Checkpoints hold the fp32 masters (O2Masters), not their rounded fp16 copy.
+    # >>> O2: no autocast (the model itself is fp16). apex's dynamic loss scale: 2**16 to start, halved after an
+    # overflow, doubled after 2000 clean steps, at most 2**24 (--loss-scale-*). Checkpoints hold the fp32 masters
+    # (O2Masters), not their rounded fp16 copy.
     autocast = autocast_for(cfg.precision, device)
     scaler = ApexScaler(amp) if amp else DynamicLossScaler(cfg.loss_scale_init, max_scale=cfg.loss_scale_max,
                                                            growth_interval=cfg.loss_scale_growth_interval)
     checkpointed = raw_model if amp else O2Masters(raw_model, model_params, master_params)
-    start_epoch, start_micro_step, step, samples_seen = run.start(
-        model=checkpointed, optimizer=optimizer, scheduler=scheduler, scaler=scaler)  # --resume loads into these
     # <<< O2
+
+    def validate() -> tuple[float, float]:
+        """The validation set's mean loss and accuracy: exact sums, one host sync (.item())."""
+        loss_total, correct, count = evaluate(model, val_loader, device, autocast, cfg.eval_mode)
+        return (loss_total / count).item(), (correct / count).item()
+
+    start_epoch, start_micro_step, step, samples_seen = run.start(
+        model=checkpointed, optimizer=optimizer, scheduler=scheduler, scaler=scaler)  # O2: --resume loads into these
 
     # ------------------------------------------------------------------ training loop
     # Running sums stay on the device: adding loss.detach() costs no host sync and keeps no graph.
@@ -134,9 +131,8 @@ def train(cfg: O2Config) -> dict:  # O2
             samples_seen += x.shape[0]
 
             if window_end:
-                # >>> O2: unscale into the masters: each fp16 gradient converted to fp32 THEN divided by the scale (in
-                # fp16 the division could underflow the very values the scale protected); the model's are dropped
-                # (its zero_grad). One host sync per step: any inf/NaN skips it, decided on the host, as apex did.
+                # >>> O2: unscale into the masters: fp16 to fp32 THEN divided by the scale (in fp16 the division
+                # could underflow); the model's gradients dropped. One host sync: any inf/NaN skips the step, as apex.
                 # (apex-o2: both lists are empty; apex did all of this when its scale_loss context closed.)
                 for p, master in zip(model_params, master_params):
                     master.grad = None if p.grad is None else p.grad.float().mul_(1.0 / scaler.scale)
@@ -181,8 +177,7 @@ def train(cfg: O2Config) -> dict:  # O2
                 # weights are the evaluated ones; a resume from here starts at the next micro-batch, exactly.
                 mid_epoch = micro_step + 1 < micro_steps_per_epoch and step < total_steps
                 if cfg.val_every_steps and step % cfg.val_every_steps == 0 and mid_epoch:
-                    loss_total, correct, count = evaluate(model, val_loader, device, autocast, cfg.eval_mode)
-                    val_loss, val_acc = (loss_total / count).item(), (correct / count).item()
+                    val_loss, val_acc = validate()
                     run.log_val(step, epoch, val_loss, val_acc, scheduler.get_last_lr()[0])  # and early stopping
                 save_due = cfg.checkpoint_every_steps and step % cfg.checkpoint_every_steps == 0
                 if (save_due or run.improved) and mid_epoch:
@@ -194,8 +189,7 @@ def train(cfg: O2Config) -> dict:  # O2
         # -------------------------------------------------------------- evaluate, stop early, checkpoint
         # (not again at a step a mid-epoch validation has just evaluated, nor when stopping right after it)
         if ((epoch + 1) % cfg.eval_every == 0 or epoch + 1 == num_epochs or run.stopping) and run.val_step != step:
-            loss_total, correct, count = evaluate(model, val_loader, device, autocast, cfg.eval_mode)
-            val_loss, val_acc = (loss_total / count).item(), (correct / count).item()  # host sync, once per eval
+            val_loss, val_acc = validate()  # host sync, once per eval
             run.log_val(step, epoch, val_loss, val_acc, scheduler.get_last_lr()[0])  # and early stopping
         run.save(epoch, micro_step + 1, step, samples_seen)  # last.pt every epoch (best.pt), atomically
         if run.should_stop(step):  # early stopping, or every step done
@@ -204,6 +198,5 @@ def train(cfg: O2Config) -> dict:  # O2
     # ------------------------------------------------------------------ teardown
     restored = run.restore_best()  # --restore-best: best.pt's weights back into raw_model
     if restored:
-        loss_total, correct, count = evaluate(model, val_loader, device, autocast, cfg.eval_mode)
-        val_loss, val_acc = (loss_total / count).item(), (correct / count).item()
+        val_loss, val_acc = validate()
     return run.finish(epoch, step, samples_seen, val_loss, val_acc, restored=restored)  # summary.json

@@ -5,22 +5,12 @@
     python launch/dp.py --impl explicit --devices cpu,cpu    # replicate/scatter/parallel_apply/gather on the CPU
     python launch/dp.py --impl explicit --devices cpu,cpu,cpu --batch-size 14   # uneven chunks: 5 + 5 + 4
     python launch/dp.py --devices cuda:0,cuda:1 --output-device cuda:1
-    python launch/dp.py --resume runs/dp-<time>/last.pt --epochs 12
+    python launch/dp.py --resume runs/dp-<time>/last.pt   # the run's own flags: continues where it stopped
 
-`diff manual_train/loops/single.py manual_train/loops/data_parallel.py` is the lesson (docs/data_parallel.md);
-every changed line is marked DP:
-  devices .......... the model lives on the first of --devices (replicated from there at every forward); the
-                     outputs are gathered on --output-device, where the targets, the loss and the sums live
-  --impl torch ..... nn.DataParallel(model, device_ids=[...], output_device=...). (The source article writes
-                     `devices=`, which is not an argument of DataParallel.) On a host without CUDA, DataParallel
-                     ignores device_ids and calls the module: the single-device baseline, bit for bit.
-  --impl explicit .. parallel.ExplicitDataParallel: one forward of DataParallel in its four steps, replicate the
-                     module to every device, scatter the batch, parallel_apply, gather the outputs
-  the loss ......... one loss over the gathered batch, so its gradient is the full batch's mean; backward sends
-                     the gradients back through the gather and the replication into the one set of weights
-One process drives every device: the batch is split, not multiplied (global batch = batch x accumulate).
---devices, --impl and --output-device are DPConfig's (manual_train/parallel.py). DDP (launch/ddp.py, one process
-per device) replaced this; Lightning removed strategy='dp' in 2.0.
+`diff manual_train/loops/single.py manual_train/loops/data_parallel.py` is the lesson; every changed line is
+marked DP. One process drives every device: the batch is split, not multiplied (global batch = batch x
+accumulate). What each change does, and why DDP replaced this: docs/data_parallel.md. --devices, --impl and
+--output-device are DPConfig's (manual_train/parallel.py).
 """
 # <<< DP
 from __future__ import annotations
@@ -73,9 +63,8 @@ def train(cfg: DPConfig) -> dict:  # DP: the baseline's flags plus --devices, --
     raw_model = build_model_from(cfg, info).to(param_dtype(cfg.precision)).to(devices[0])  # DP
     model = CastInputs(raw_model) if cfg.precision == "64-true" else raw_model  # 64-true: float64 inputs too
     # >>> DP: decided once; both return the whole batch's logits on `device`. --impl explicit is DataParallel's
-    # forward in four steps (manual_train/parallel.py): scatter the batch into chunks along dim 0 (32 over 2 devices:
-    # 16 + 16; 14 over 3: 5 + 5 + 4), replicate the module to every device (CUDA: a broadcast of every weight, at
-    # every forward), parallel_apply (CUDA: one Python thread per device, sharing the GIL), gather the outputs.
+    # forward in its four steps: scatter the batch, replicate the module, parallel_apply, gather the outputs
+    # (docs/data_parallel.md, "What runs where")
     if cfg.impl == "torch":
         model = nn.DataParallel(model, device_ids=devices, output_device=device)  # CPU host: the module itself
     else:
@@ -90,6 +79,12 @@ def train(cfg: DPConfig) -> dict:  # DP: the baseline's flags plus --devices, --
     autocast = autocast_for(cfg.precision, device)
     scaler = torch.amp.GradScaler(device.type, init_scale=cfg.loss_scale_init, enabled=cfg.precision == "16-mixed",
                                   growth_interval=cfg.loss_scale_growth_interval)
+
+    def validate() -> tuple[float, float]:
+        """The validation set's mean loss and accuracy: exact sums, one host sync (.item())."""
+        loss_total, correct, count = evaluate(model, val_loader, device, autocast, cfg.eval_mode)
+        return (loss_total / count).item(), (correct / count).item()
+
     start_epoch, start_micro_step, step, samples_seen = run.start(
         model=raw_model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)  # --resume loads into these
     run.print(dp_plan(cfg.impl, devices, device, cfg.batch_size))  # DP: how each batch is split, and where
@@ -120,10 +115,9 @@ def train(cfg: DPConfig) -> dict:  # DP: the baseline's flags plus --devices, --
             weight = x.shape[0] / data.window_samples(n_train, cfg.batch_size, cfg.accumulate, micro_step)
 
             with autocast():  # forward and loss only: backward runs in the dtypes forward chose
-                # >>> DP: one loss over the gathered batch, as nn.DataParallel users write it: its gradient is the
-                # full batch's mean. Averaging per-chunk mean losses is wrong when chunks differ in size, and summing
-                # them makes the gradient about n times too large (test_dp.py::test_per_chunk_losses_need_weighting).
-                # Backward returns through the gather and the replicas into raw_model's parameters.
+                # >>> DP: one loss over the gathered batch: the full batch's mean gradient (per-chunk losses need
+                # weighting: docs/data_parallel.md). Backward returns through the gather and the replicas into
+                # raw_model's parameters.
                 # <<< DP
                 logits = model(x)
                 loss = loss_fn(logits, y)
@@ -162,8 +156,7 @@ def train(cfg: DPConfig) -> dict:  # DP: the baseline's flags plus --devices, --
                 # weights are the evaluated ones; a resume from here starts at the next micro-batch, exactly.
                 mid_epoch = micro_step + 1 < micro_steps_per_epoch and step < total_steps
                 if cfg.val_every_steps and step % cfg.val_every_steps == 0 and mid_epoch:
-                    loss_total, correct, count = evaluate(model, val_loader, device, autocast, cfg.eval_mode)
-                    val_loss, val_acc = (loss_total / count).item(), (correct / count).item()
+                    val_loss, val_acc = validate()
                     run.log_val(step, epoch, val_loss, val_acc, scheduler.get_last_lr()[0])  # and early stopping
                 save_due = cfg.checkpoint_every_steps and step % cfg.checkpoint_every_steps == 0
                 if (save_due or run.improved) and mid_epoch:
@@ -175,8 +168,7 @@ def train(cfg: DPConfig) -> dict:  # DP: the baseline's flags plus --devices, --
         # -------------------------------------------------------------- evaluate, stop early, checkpoint
         # (not again at a step a mid-epoch validation has just evaluated, nor when stopping right after it)
         if ((epoch + 1) % cfg.eval_every == 0 or epoch + 1 == num_epochs or run.stopping) and run.val_step != step:
-            loss_total, correct, count = evaluate(model, val_loader, device, autocast, cfg.eval_mode)
-            val_loss, val_acc = (loss_total / count).item(), (correct / count).item()  # host sync, once per eval
+            val_loss, val_acc = validate()  # host sync, once per eval
             run.log_val(step, epoch, val_loss, val_acc, scheduler.get_last_lr()[0])  # and early stopping
         run.save(epoch, micro_step + 1, step, samples_seen)  # last.pt every epoch (best.pt), atomically
         if run.should_stop(step):  # early stopping, or every step done
@@ -185,8 +177,7 @@ def train(cfg: DPConfig) -> dict:  # DP: the baseline's flags plus --devices, --
     # ------------------------------------------------------------------ teardown
     restored = run.restore_best()  # --restore-best: best.pt's weights back into raw_model
     if restored:
-        loss_total, correct, count = evaluate(model, val_loader, device, autocast, cfg.eval_mode)
-        val_loss, val_acc = (loss_total / count).item(), (correct / count).item()
+        val_loss, val_acc = validate()
     # >>> DP: summary.json also says how it ran; the per-device peaks show the output device's extra load (on the
     # CPU: one process, one number)
     return run.finish(epoch, step, samples_seen, val_loss, val_acc, restored=restored, impl=cfg.impl,

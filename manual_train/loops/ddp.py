@@ -6,28 +6,12 @@
     torchrun --nproc_per_node=2 launch/ddp.py --batch-size 16 --epochs 2   # the weights of:
     python launch/single.py --batch-size 32 --epochs 2                      #   (global batch 32 in both)
     torchrun --nproc_per_node=8 launch/ddp.py --device cuda --batch-size 32    # one GPU per rank, nccl
-    torchrun --standalone --nproc_per_node=4 --max-restarts 1 launch/ddp.py --out-dir runs/a --resume auto
-    torchrun --nproc_per_node=3 launch/ddp.py --dataset synthetic --synthetic-size 77 --batch-size 5   # the weights
-    python launch/single.py --dataset synthetic --synthetic-size 77 --batch-size 15                    #   of this
 
-Several nodes, Slurm and static rendezvous: docs/ddp.md, "Single node, several nodes, Slurm".
-
-`diff manual_train/loops/single.py manual_train/loops/ddp.py` is the lesson; every changed line is marked DDP:
-  setup ............ rank and device from torchrun's environment, the device bound before init_process_group,
-                     destroy_process_group in a finally
-  the model ........ DistributedDataParallel: after each backward every rank holds the mean gradient, all-reduced
-                     in buckets while backward is still running
-  the sampler ...... each rank a disjoint 1/N of one permutation, set_epoch every epoch; no repeats when N does
-                     not divide the set: a shard one short ends in an empty micro-batch (weight 0), and every
-                     micro-batch is weighted by its share of the global window, so any size trains exactly
-  the knobs ........ --bucket-cap-mb, --gradient-as-bucket-view, --static-graph, --find-unused-parameters (DDP's
-                     constructor), --comm-hook fp16|bf16|powersgd (lossy): docs/ddp_knobs.md
-  accumulation ..... no_sync() on all but a window's last micro-step: one all-reduce per optimizer step
-  logging, evaluation  sums all-reduced (all_sum): exactly the single-process numbers, and the same decisions
-                     (NaN abort, early stopping) on every rank
-Rank 0 alone prints and writes (manual_train/run.py). --backend, --dist-timeout-s and --sync-bn are DDPConfig's
-(manual_train/distributed.py). DEFAULTS below differ from the baseline's in --batch-size only: 8 per rank, so 4
-ranks train with the baseline's global batch of 32 and its learning rate and schedule (docs/ddp.md).
+`diff manual_train/loops/single.py manual_train/loops/ddp.py` is the lesson; every changed line is marked DDP.
+docs/ddp.md explains each change and has more commands (uneven shards, restarts, several nodes, Slurm); DDP's
+knobs (--bucket-cap-mb, --static-graph, --comm-hook, ...) and --sync-bn are DDPConfig's (manual_train/distributed.py,
+docs/ddp_knobs.md). DEFAULTS differ from the baseline's in --batch-size only: 8 per rank, so 4 ranks train with the
+baseline's global batch of 32 and its learning rate and schedule.
 """
 # <<< DDP
 from __future__ import annotations
@@ -36,41 +20,29 @@ import math
 from contextlib import nullcontext  # DDP
 
 import torch
-# >>> DDP
-import torch.nn as nn
-from torch.nn.parallel import DistributedDataParallel as DDP
-# <<< DDP
+from torch.nn.parallel import DistributedDataParallel as DDP  # DDP
 
 from manual_train import data
 from manual_train.config import Config
-# >>> DDP
-from manual_train.distributed import DDPConfig, DistEnv, all_sum, comm_hook, pick_device, read_env, setup, teardown
-# <<< DDP
+from manual_train.distributed import DDPConfig, DistEnv, all_sum, process_group, sync_batchnorm, with_comm_hook  # DDP
 from manual_train.evaluation import evaluate
 from manual_train.models import build_model_from, correct_count, loss_fn
 from manual_train.optim import build_optimizer, build_scheduler, scaled_lr
 from manual_train.precision import CastInputs, autocast_for, param_dtype
 from manual_train.run import Run
-from manual_train.runtime import seed_everything, set_deterministic  # DDP: pick_device, not resolve_device
+from manual_train.runtime import seed_everything, set_deterministic  # DDP: process_group picks the device
 
 SCRIPT = "ddp"  # DDP
-# >>> DDP: --batch-size is per rank; 8 gives the demo's 4 ranks the baseline's global batch of 32, and with it the
-# baseline's learning rate and schedule: the same samples at every step (0.9798 val acc after 10 epochs, as it)
+# >>> DDP: --batch-size is per rank; 8 gives the demo's 4 ranks the baseline's global batch of 32 (docs/ddp.md)
 DEFAULTS = dict(batch_size=8)
-__all__ = ["DDPConfig", "DEFAULTS", "train"]
 
 
 def train(cfg: DDPConfig) -> dict:
     # ------------------------------------------------------------------ setup
-    # >>> DDP: who this process is (torchrun's environment) and its device; join the group, and leave it on every
-    # exit path: destroy_process_group frees the communicators and lets a process join another group later
-    env = read_env()
-    device = pick_device(cfg.device, env)  # cuda:LOCAL_RANK; setup() binds it before init_process_group
-    setup(env, device, cfg.backend, cfg.dist_timeout_s)
-    try:
+    # >>> DDP: who this process is (torchrun's environment) and its device (cuda:LOCAL_RANK, bound before
+    # init_process_group), inside the process group, which it leaves on every exit path (distributed.process_group)
+    with process_group(cfg) as (env, device):
         return train_rank(cfg, env, device)
-    finally:
-        teardown()
 
 
 def train_rank(cfg: DDPConfig, env: DistEnv, device: torch.device) -> dict:
@@ -79,11 +51,9 @@ def train_rank(cfg: DDPConfig, env: DistEnv, device: torch.device) -> dict:
     set_deterministic(cfg.deterministic)
     torch.autograd.set_detect_anomaly(cfg.detect_anomaly)  # --detect-anomaly: backward names the op that made a NaN
     train_ds, val_ds, info = data.build_datasets(cfg)
-    # >>> DDP: rank r trains on perm[r::N] of the one permutation and evaluates indices r, r+N, ... of the validation
-    # set. No repeats: DistributedSampler pads a set that N does not divide with duplicates (pad=True), which then
-    # count twice; here a shard one sample short gets an empty last micro-batch instead, so every rank runs the
-    # same micro-steps (n_train below counts ceil(n / N) positions on every rank). The weights below use the whole
-    # set's numbers: n_all samples, micro_batch = N x batch samples in each micro-step (fewer in the epoch's last).
+    # >>> DDP: rank r trains on perm[r::N] and evaluates val[r::N]; no padding with repeats (pad=False): a short shard
+    # ends in an empty micro-batch. The weights use the whole set's numbers: n_all samples, micro_batch = N x batch
+    # samples per micro-step (docs/ddp.md, "The sampler")
     sampler = data.train_sampler(train_ds, cfg.seed, env.world_size, env.rank, pad=False)
     train_loader = data.build_loader(train_ds, cfg, device, batch_size=cfg.batch_size, sampler=sampler)
     val_loader = data.build_loader(data.eval_shard(val_ds, env.world_size, env.rank), cfg, device,
@@ -103,26 +73,11 @@ def train_rank(cfg: DDPConfig, env: DistEnv, device: torch.device) -> dict:
 
     torch.manual_seed(cfg.seed)  # right before building: the same --seed gives the same weights in every loop
     raw_model = build_model_from(cfg, info).to(param_dtype(cfg.precision)).to(device)  # moved once
-    # >>> DDP: --sync-bn: BatchNorm statistics over the global batch, one extra all-reduce per BatchNorm layer in
-    # every forward (CUDA only, refused on the CPU by DDPConfig.validate)
-    if cfg.sync_bn:
-        raw_model = nn.SyncBatchNorm.convert_sync_batchnorm(raw_model)
-    # <<< DDP
     model = CastInputs(raw_model) if cfg.precision == "64-true" else raw_model  # 64-true: float64 inputs too
-    # >>> DDP: the constructor broadcasts rank 0's parameters and buffers, so every rank starts from the same
-    # weights; it then hooks autograd so that backward all-reduces (averages) gradients in ~25 MB buckets as
-    # soon as each bucket's gradients exist, overlapping communication with the rest of backward.
-    # DDP's knobs (docs/ddp_knobs.md): each keeps the weights bit for bit; only a comm hook changes them (lossy).
-    model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
-                bucket_cap_mb=cfg.bucket_cap_mb,  # small buckets start sending sooner but cost more calls
-                gradient_as_bucket_view=cfg.gradient_as_bucket_view,  # .grad lives in its bucket: one copy less
-                static_graph=cfg.static_graph,  # the same parameters every step: buckets planned once
-                find_unused_parameters=cfg.find_unused_parameters)  # walk each graph for unused ones (slower)
-    if cfg.comm_hook != "none":  # fp16, bf16, powersgd: fewer bytes per all-reduce, lossy (distributed.comm_hook)
-        model.register_comm_hook(*comm_hook(cfg, model))
-    # the weights are equal on every rank; from here each rank draws its own random numbers (dropout masks,
-    # augmentations, DataLoader workers' seeds), not one stream N times over
-    seed_everything(cfg.seed + env.rank)
+    # >>> DDP: broadcasts rank 0's weights; backward all-reduces (averages) gradients in buckets while it runs.
+    # --sync-bn: BatchNorm over the global batch; the knobs keep the weights, --comm-hook is lossy (docs/ddp_knobs.md)
+    model = with_comm_hook(DDP(sync_batchnorm(model, cfg), **cfg.ddp_kwargs(device)), cfg)
+    seed_everything(cfg.seed + env.rank)  # the weights are equal now: each rank draws its own random numbers
     # <<< DDP
     optimizer = build_optimizer(cfg, raw_model.parameters(), lr)
     scheduler = build_scheduler(cfg, optimizer, total_steps)
@@ -133,6 +88,16 @@ def train_rank(cfg: DDPConfig, env: DistEnv, device: torch.device) -> dict:
     autocast = autocast_for(cfg.precision, device)
     scaler = torch.amp.GradScaler(device.type, init_scale=cfg.loss_scale_init, enabled=cfg.precision == "16-mixed",
                                   growth_interval=cfg.loss_scale_growth_interval)
+
+    def validate() -> tuple[float, float]:
+        """The validation set's mean loss and accuracy: exact sums, one host sync (.item())."""
+        # >>> DDP: this rank's shard through the module itself (DDP's forward broadcasts buffers: a collective, which
+        # hangs when shards differ in batch count); the summed sums are one process's, the same on every rank
+        loss_total, correct, count = evaluate(model.module, val_loader, device, autocast, cfg.eval_mode)
+        loss_total, correct, count = all_sum(loss_total, correct, count, device=device)
+        # <<< DDP
+        return (loss_total / count).item(), (correct / count).item()
+
     start_epoch, start_micro_step, step, samples_seen = run.start(
         model=raw_model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)  # --resume loads into these
 
@@ -159,18 +124,13 @@ def train_rank(cfg: DDPConfig, env: DistEnv, device: torch.device) -> dict:
             # Accumulation: weight each micro-batch's mean loss by its share of the window's samples, so the
             # window's gradient is the mean over all its samples, as one big batch (also for the epoch's
             # last, partial window, where dividing by K would shrink it; Lightning issue 19987).
-            # >>> DDP: the window is the GLOBAL one, every rank's samples of it, and DDP divides the all-reduced sum by
-            # N, so each rank's share is times N: the mean over the window's samples also when ranks' micro-batches
-            # differ in size (weighting by a rank's own window, a mean of ranks' means, is 2e-2 off on 77 samples).
-            # An empty micro-batch (weight 0) still runs forward and backward, so its rank joins the all-reduce with
-            # exact zeros: torch's Join written out, except that every rank then also steps, logs and saves (under
-            # Join the rank that ran out skips the step, and its momentum falls behind: docs/ddp_knobs.md).
+            # >>> DDP: the share of the GLOBAL window (every rank's samples), times N because DDP averages over ranks;
+            # an empty micro-batch (weight 0) joins the all-reduce with exact zeros (docs/ddp.md, "The sampler")
             weight = x.shape[0] * env.world_size / data.window_samples(n_all, micro_batch, cfg.accumulate, micro_step)
             # <<< DDP
 
-            # >>> DDP: inside no_sync() backward only adds into each rank's own .grad; the window's last micro-step
-            # runs outside it and its backward all-reduces the accumulated sums. One all-reduce per optimizer step,
-            # not per micro-batch, and the same mean gradient. (Forward is inside too: DDP prepares the reducer there.)
+            # >>> DDP: no_sync(): backward only adds into this rank's .grad; the window's last micro-step all-reduces
+            # the sums, once per optimizer step (forward is inside too: DDP prepares the reducer there)
             with nullcontext() if window_end else model.no_sync():
                 with autocast():  # forward and loss only: backward runs in the dtypes forward chose
                     logits = model(x)
@@ -215,11 +175,7 @@ def train_rank(cfg: DDPConfig, env: DistEnv, device: torch.device) -> dict:
                 # weights are the evaluated ones; a resume from here starts at the next micro-batch, exactly.
                 mid_epoch = micro_step + 1 < micro_steps_per_epoch and step < total_steps
                 if cfg.val_every_steps and step % cfg.val_every_steps == 0 and mid_epoch:
-                    # >>> DDP: as at the epoch's end, below
-                    loss_total, correct, count = evaluate(model.module, val_loader, device, autocast, cfg.eval_mode)
-                    loss_total, correct, count = all_sum(loss_total, correct, count, device=device)
-                    # <<< DDP
-                    val_loss, val_acc = (loss_total / count).item(), (correct / count).item()
+                    val_loss, val_acc = validate()
                     run.log_val(step, epoch, val_loss, val_acc, scheduler.get_last_lr()[0])  # and early stopping
                 save_due = cfg.checkpoint_every_steps and step % cfg.checkpoint_every_steps == 0
                 if (save_due or run.improved) and mid_epoch:
@@ -231,13 +187,7 @@ def train_rank(cfg: DDPConfig, env: DistEnv, device: torch.device) -> dict:
         # -------------------------------------------------------------- evaluate, stop early, checkpoint
         # (not again at a step a mid-epoch validation has just evaluated, nor when stopping right after it)
         if ((epoch + 1) % cfg.eval_every == 0 or epoch + 1 == num_epochs or run.stopping) and run.val_step != step:
-            # >>> DDP: each rank evaluates its shard with the wrapped module itself (DDP's forward would broadcast
-            # buffers from rank 0 on every call: a collective, which hangs when shards differ in batch count); the
-            # all-reduced sums are the single-process sums, so every rank gets the same numbers (and decisions)
-            loss_total, correct, count = evaluate(model.module, val_loader, device, autocast, cfg.eval_mode)
-            loss_total, correct, count = all_sum(loss_total, correct, count, device=device)
-            # <<< DDP
-            val_loss, val_acc = (loss_total / count).item(), (correct / count).item()  # host sync, once per eval
+            val_loss, val_acc = validate()  # host sync, once per eval
             run.log_val(step, epoch, val_loss, val_acc, scheduler.get_last_lr()[0])  # and early stopping
         run.save(epoch, micro_step + 1, step, samples_seen)  # last.pt every epoch (best.pt), atomically
         if run.should_stop(step):  # early stopping, or every step done
@@ -246,9 +196,5 @@ def train_rank(cfg: DDPConfig, env: DistEnv, device: torch.device) -> dict:
     # ------------------------------------------------------------------ teardown
     restored = run.restore_best()  # --restore-best: best.pt's weights back into raw_model
     if restored:
-        # >>> DDP: as above
-        loss_total, correct, count = evaluate(model.module, val_loader, device, autocast, cfg.eval_mode)
-        loss_total, correct, count = all_sum(loss_total, correct, count, device=device)
-        # <<< DDP
-        val_loss, val_acc = (loss_total / count).item(), (correct / count).item()
+        val_loss, val_acc = validate()
     return run.finish(epoch, step, samples_seen, val_loss, val_acc, restored=restored)  # summary.json

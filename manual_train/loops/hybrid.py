@@ -6,21 +6,10 @@
     torchrun --nproc_per_node=2 launch/hybrid.py --mode ddp-mp        # each rank: encoder on A, decoder on B
     torchrun --nproc_per_node=4 launch/hybrid.py --mode ddp-mp        # on 8 GPUs: rank r owns cuda:2r, cuda:2r+1
 
-`diff manual_train/loops/single.py manual_train/loops/hybrid.py` is the lesson (docs/hybrid.md); every changed
-line is marked HYBRID:
-  the split ........ hybrid_setup.split_model, decided once by --mode: dp-mp (the source article's form, one
-                     process) wraps the encoder in DataParallel over group_a and the decoder over group_b
-                     (--impl explicit: the data parallelism written out, which splits the batch on CPU too);
-                     ddp-mp (the modern form) puts the encoder on this rank's first device, the decoder on its
-                     second, as launch/mp.py does. x stays on the host: the split sends each half its rows.
-  the DDP recipe ... as loops/ddp.py: the split in DDP (without device_ids: it spans two devices), a process
-                     group under torchrun and a group of one for plain python (so dp-mp, one process by
-                     definition, runs the same code), the sampler's shards without repeats (a shard one short
-                     ends in an empty micro-batch, and every micro-batch is weighted by its share of the global
-                     window) and the validation set's, no_sync() on all but a window's last micro-step, the log
-                     and evaluation sums all-reduced (all_sum).
-N ranks with --batch-size b train the weights of one process with N*b, on any set size. HybridConfig (--mode,
---devices, --impl) is in manual_train/hybrid_setup.py; DEFAULTS are launch/mp.py's task and budget.
+`diff manual_train/loops/single.py manual_train/loops/hybrid.py` is the lesson; every changed line is marked
+HYBRID: the split (hybrid_setup.split_model, by --mode) and loops/ddp.py's recipe around it. N ranks with
+--batch-size b train the weights of one process with N*b, on any set size. What each change does: docs/hybrid.md.
+HybridConfig is in manual_train/hybrid_setup.py; DEFAULTS are launch/mp.py's task and budget.
 """
 # <<< HYBRID
 from __future__ import annotations
@@ -67,10 +56,8 @@ def train_rank(cfg: HybridConfig, env: DistEnv, group_a: list, group_b: list) ->
     set_deterministic(cfg.deterministic)
     torch.autograd.set_detect_anomaly(cfg.detect_anomaly)  # --detect-anomaly: backward names the op that made a NaN
     train_ds, val_ds, info = data.build_datasets(cfg)
-    # >>> HYBRID: rank r trains on perm[r::N] of the one permutation and evaluates its own disjoint validation shard.
-    # No repeats, as loops/ddp.py: when N does not divide the set, DistributedSampler's padding (pad=True) would
-    # train a few samples twice; here a shard one short ends in an empty micro-batch (weight 0) instead, and the
-    # weights below use the whole set's numbers: n_all samples, N x batch in each micro-step (fewer in the last).
+    # >>> HYBRID: rank r trains on perm[r::N] and evaluates val[r::N], without repeats, as loops/ddp.py; the weights
+    # use the whole set's numbers: n_all samples, N x batch in each micro-step (fewer in the last)
     sampler = data.train_sampler(train_ds, cfg.seed, env.world_size, env.rank, pad=False)
     train_loader = data.build_loader(train_ds, cfg, device, batch_size=cfg.batch_size, sampler=sampler)
     val_loader = data.build_loader(data.eval_shard(val_ds, env.world_size, env.rank), cfg, device,
@@ -91,11 +78,9 @@ def train_rank(cfg: HybridConfig, env: DistEnv, group_a: list, group_b: list) ->
 
     torch.manual_seed(cfg.seed)  # right before building: the same --seed gives the same weights in every loop
     raw_model = build_model_from(cfg, info).to(param_dtype(cfg.precision))  # HYBRID: the split places it
-    # >>> HYBRID: each half moved once, to its device (seq2seq's inputs are token ids: 64-true casts none). DDP over
-    # the split without device_ids: the module spans two devices, so DDP must not move inputs or outputs. It
-    # broadcasts rank 0's weights now, and in backward all-reduces (averages) the gradients in buckets, per
-    # device, while the rest of backward still runs. dp-mp is a group of one: the average of one (a copy of each
-    # gradient into DDP's buckets per step, the price of one code path for both modes).
+    # >>> HYBRID: each half moved once, to its device (token ids: 64-true casts none). DDP over the split without
+    # device_ids (it spans two devices), as loops/ddp.py otherwise; dp-mp is a group of one: the average of one
+    # (docs/hybrid.md, "--mode ddp-mp")
     model = DDP(split_model(cfg, raw_model, group_a, group_b))
     seed_everything(cfg.seed + env.rank)  # the weights are equal now; each rank draws its own random numbers
     # <<< HYBRID
@@ -108,6 +93,16 @@ def train_rank(cfg: HybridConfig, env: DistEnv, group_a: list, group_b: list) ->
     autocast = autocast_for(cfg.precision, device)
     scaler = torch.amp.GradScaler(device.type, init_scale=cfg.loss_scale_init, enabled=cfg.precision == "16-mixed",
                                   growth_interval=cfg.loss_scale_growth_interval)
+
+    def validate() -> tuple[float, float]:
+        """The validation set's mean loss and accuracy: exact sums, one host sync (.item())."""
+        # >>> HYBRID: this rank's shard through the split itself (DDP's forward broadcasts buffers: a collective, which
+        # hangs when shards differ in batch count); the summed sums are one process's, the same on every rank
+        loss_total, correct, count = evaluate(model.module, val_loader, device, autocast, cfg.eval_mode)
+        loss_total, correct, count = all_sum(loss_total, correct, count, device=device)
+        # <<< HYBRID
+        return (loss_total / count).item(), (correct / count).item()
+
     start_epoch, start_micro_step, step, samples_seen = run.start(
         model=raw_model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)  # --resume loads into these
     run.print(describe(cfg, group_a, group_b, env))  # HYBRID: where each half runs, under the banner
@@ -188,11 +183,7 @@ def train_rank(cfg: HybridConfig, env: DistEnv, group_a: list, group_b: list) ->
                 # weights are the evaluated ones; a resume from here starts at the next micro-batch, exactly.
                 mid_epoch = micro_step + 1 < micro_steps_per_epoch and step < total_steps
                 if cfg.val_every_steps and step % cfg.val_every_steps == 0 and mid_epoch:
-                    # >>> HYBRID: as at the epoch's end, below
-                    loss_total, correct, count = evaluate(model.module, val_loader, device, autocast, cfg.eval_mode)
-                    loss_total, correct, count = all_sum(loss_total, correct, count, device=device)
-                    # <<< HYBRID
-                    val_loss, val_acc = (loss_total / count).item(), (correct / count).item()
+                    val_loss, val_acc = validate()
                     run.log_val(step, epoch, val_loss, val_acc, scheduler.get_last_lr()[0])  # and early stopping
                 save_due = cfg.checkpoint_every_steps and step % cfg.checkpoint_every_steps == 0
                 if (save_due or run.improved) and mid_epoch:
@@ -204,13 +195,7 @@ def train_rank(cfg: HybridConfig, env: DistEnv, group_a: list, group_b: list) ->
         # -------------------------------------------------------------- evaluate, stop early, checkpoint
         # (not again at a step a mid-epoch validation has just evaluated, nor when stopping right after it)
         if ((epoch + 1) % cfg.eval_every == 0 or epoch + 1 == num_epochs or run.stopping) and run.val_step != step:
-            # >>> HYBRID: each rank evaluates its shard with the split itself (DDP's forward would broadcast buffers
-            # from rank 0 on every call: a collective, which hangs when shards differ in batch count); the summed
-            # sums are the full set's, exactly, so every rank gets the same numbers (and early-stopping decisions)
-            loss_total, correct, count = evaluate(model.module, val_loader, device, autocast, cfg.eval_mode)
-            loss_total, correct, count = all_sum(loss_total, correct, count, device=device)
-            # <<< HYBRID
-            val_loss, val_acc = (loss_total / count).item(), (correct / count).item()  # host sync, once per eval
+            val_loss, val_acc = validate()  # host sync, once per eval
             run.log_val(step, epoch, val_loss, val_acc, scheduler.get_last_lr()[0])  # and early stopping
         run.save(epoch, micro_step + 1, step, samples_seen)  # last.pt every epoch (best.pt), atomically
         if run.should_stop(step):  # early stopping, or every step done
@@ -219,11 +204,7 @@ def train_rank(cfg: HybridConfig, env: DistEnv, group_a: list, group_b: list) ->
     # ------------------------------------------------------------------ teardown
     restored = run.restore_best()  # --restore-best: best.pt's weights back into raw_model
     if restored:
-        # >>> HYBRID: as above
-        loss_total, correct, count = evaluate(model.module, val_loader, device, autocast, cfg.eval_mode)
-        loss_total, correct, count = all_sum(loss_total, correct, count, device=device)
-        # <<< HYBRID
-        val_loss, val_acc = (loss_total / count).item(), (correct / count).item()
+        val_loss, val_acc = validate()
     # >>> HYBRID: summary.json also says the mode and where each half ran
     return run.finish(epoch, step, samples_seen, val_loss, val_acc, restored=restored,
                       **summary_extra(cfg, group_a, group_b))  # summary.json

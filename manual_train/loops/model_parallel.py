@@ -4,22 +4,12 @@
     python launch/mp.py                                   # reverse digits: >= 0.9 token accuracy on 2 CPU cores
     python launch/mp.py --devices cuda:0,cuda:1           # encoder on GPU 0, decoder on GPU 1
     python launch/mp.py --devices cuda:0,cuda:1 --microbatches 4   # GPipe fill-drain over 4 micro-batches
-    python launch/mp.py --resume runs/mp-<time>/last.pt --epochs 4
+    python launch/mp.py --resume runs/mp-<time>/last.pt   # the run's own flags: continues where it stopped
 
-`diff manual_train/loops/single.py manual_train/loops/model_parallel.py` is the lesson (docs/model_parallel.md);
-every changed line is marked MP:
-  devices .......... --devices A,B: the encoder's device and the decoder's. The logits come out on B, where the
-                     targets, the loss, the running sums and evaluation live (`device` is B)
-  the split ........ parallel.split_encoder_decoder(raw_model, [A, B]) moves the encoder to A and the decoder to
-                     B and returns a module whose forward moves the one activation that crosses (the encoder's
-                     hidden state) with .to(B). Backward crosses back by itself: autograd recorded the .to().
-                     It holds raw_model's own submodules: optimizer, clipping and checkpoints are the baseline's
-  --microbatches M . each batch cut into M micro-batches run on GPipe's fill-drain schedule, so that B decodes one
-                     while A encodes the next: each device idles (S-1)/(M+S-1) of the step instead of half of it
-                     (S = 2 stages). One loss over the concatenated logits: the full batch's gradient
-On CPU (`--devices cpu,cpu`) both stages share the same cores: the code path and the arithmetic are the GPU ones,
-the overlap is not. --devices and --microbatches are MPConfig's (manual_train/parallel.py); DEFAULTS below make
-the reverse task launch/mp.py's default. Modern form: torch.distributed.pipelining (docs/model_parallel.md).
+`diff manual_train/loops/single.py manual_train/loops/model_parallel.py` is the lesson; every changed line is
+marked MP. What each change does (the devices, the split, GPipe's fill-drain schedule over --microbatches) and
+the modern form: docs/model_parallel.md. --devices and --microbatches are MPConfig's (manual_train/parallel.py);
+DEFAULTS below make the reverse task launch/mp.py's default.
 """
 # <<< MP
 from __future__ import annotations
@@ -89,6 +79,12 @@ def train(cfg: MPConfig) -> dict:  # MP: the baseline's flags plus --devices, --
     autocast = autocast_for(cfg.precision, device)
     scaler = torch.amp.GradScaler(device.type, init_scale=cfg.loss_scale_init, enabled=cfg.precision == "16-mixed",
                                   growth_interval=cfg.loss_scale_growth_interval)
+
+    def validate() -> tuple[float, float]:
+        """The validation set's mean loss and accuracy: exact sums, one host sync (.item())."""
+        loss_total, correct, count = evaluate(model, val_loader, device, autocast, cfg.eval_mode)
+        return (loss_total / count).item(), (correct / count).item()
+
     start_epoch, start_micro_step, step, samples_seen = run.start(
         model=raw_model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)  # --resume loads into these
     run.print(parallel.mp_plan(devices, cfg.microbatches, cfg.batch_size))  # MP: where each half runs, the bubble
@@ -160,8 +156,7 @@ def train(cfg: MPConfig) -> dict:  # MP: the baseline's flags plus --devices, --
                 # weights are the evaluated ones; a resume from here starts at the next micro-batch, exactly.
                 mid_epoch = micro_step + 1 < micro_steps_per_epoch and step < total_steps
                 if cfg.val_every_steps and step % cfg.val_every_steps == 0 and mid_epoch:
-                    loss_total, correct, count = evaluate(model, val_loader, device, autocast, cfg.eval_mode)
-                    val_loss, val_acc = (loss_total / count).item(), (correct / count).item()
+                    val_loss, val_acc = validate()
                     run.log_val(step, epoch, val_loss, val_acc, scheduler.get_last_lr()[0])  # and early stopping
                 save_due = cfg.checkpoint_every_steps and step % cfg.checkpoint_every_steps == 0
                 if (save_due or run.improved) and mid_epoch:
@@ -173,8 +168,7 @@ def train(cfg: MPConfig) -> dict:  # MP: the baseline's flags plus --devices, --
         # -------------------------------------------------------------- evaluate, stop early, checkpoint
         # (not again at a step a mid-epoch validation has just evaluated, nor when stopping right after it)
         if ((epoch + 1) % cfg.eval_every == 0 or epoch + 1 == num_epochs or run.stopping) and run.val_step != step:
-            loss_total, correct, count = evaluate(model, val_loader, device, autocast, cfg.eval_mode)
-            val_loss, val_acc = (loss_total / count).item(), (correct / count).item()  # host sync, once per eval
+            val_loss, val_acc = validate()  # host sync, once per eval
             run.log_val(step, epoch, val_loss, val_acc, scheduler.get_last_lr()[0])  # and early stopping
         run.save(epoch, micro_step + 1, step, samples_seen)  # last.pt every epoch (best.pt), atomically
         if run.should_stop(step):  # early stopping, or every step done
@@ -183,8 +177,7 @@ def train(cfg: MPConfig) -> dict:  # MP: the baseline's flags plus --devices, --
     # ------------------------------------------------------------------ teardown
     restored = run.restore_best()  # --restore-best: best.pt's weights back into raw_model
     if restored:
-        loss_total, correct, count = evaluate(model, val_loader, device, autocast, cfg.eval_mode)
-        val_loss, val_acc = (loss_total / count).item(), (correct / count).item()
+        val_loss, val_acc = validate()
     # >>> MP: summary.json also says how it ran; each device holds its half's weights, gradients and optimizer state
     return run.finish(epoch, step, samples_seen, val_loss, val_acc, restored=restored,
                       devices=[str(d) for d in devices], microbatches=cfg.microbatches,

@@ -9,18 +9,9 @@ into micro-batches that flow through them (docs/pipeline.md).
     torchrun --nproc_per_node=2 launch/pipeline.py --impl torch --pipeline-schedule interleaved-1f1b  # 2 per rank
     python launch/pipeline.py                                         # one stage: the baseline in micro-batches
 
-`diff manual_train/loops/single.py manual_train/loops/pipeline.py` is the lesson; every changed line is marked PIPE:
-  setup ............ the process group as in loops/ddp.py; every rank loads the same batches (stage 0 uses x, the
-                     last stage y): no data parallelism, so the baseline's sampler is unchanged
-  the model ........ built whole from the seed on every rank (the baseline's weights), then cut: each rank keeps its
-                     stage (pipelining.Pipeline); state_dict() gathers the full GPT, so checkpoints are the baseline's
-  the step ......... raw_model.step: forward and backward of every micro-batch, each loss weighted by its share of
-                     the batch, so the gradient is the baseline's also for a batch that does not split evenly
-  before the step .. the tied embedding/head gradient summed across the first and last stage; clipping's norm
-                     all-reduced over the stages
-  logging .......... the loss and accuracy live on the last stage: all_sum gives every rank its numbers
-The schedules (GPipe written out; torch.distributed.pipelining's gpipe, 1f1b, interleaved-1f1b), the split and the
-checks (--stages, --dp, 16-mixed) are manual_train/pipelining.py's. DEFAULTS: the GPT on the reverse task (docs/gpt.md).
+`diff manual_train/loops/single.py manual_train/loops/pipeline.py` is the lesson; every changed line is marked PIPE.
+What each change does (setup, the cut model, the step, the tied gradients, logging): docs/pipeline.md. The
+schedules, the split and the checks are manual_train/pipelining.py's. DEFAULTS: the GPT on the reverse task.
 """
 # <<< PIPE
 from __future__ import annotations
@@ -31,14 +22,14 @@ import torch
 
 from manual_train import data
 from manual_train.config import Config
-from manual_train.distributed import DistEnv, all_sum, pick_device, read_env, setup, teardown  # PIPE
+from manual_train.distributed import DistEnv, all_sum, process_group  # PIPE
 from manual_train.evaluation import evaluate
 from manual_train.models import build_model_from  # PIPE: the loss and its accuracy are the last stage's (pipelining)
 from manual_train.optim import build_optimizer, build_scheduler, scaled_lr
 from manual_train.pipelining import Pipeline, PipelineConfig  # PIPE
 from manual_train.precision import CastInputs, autocast_for, param_dtype
 from manual_train.run import Run
-from manual_train.runtime import seed_everything, set_deterministic  # PIPE: pick_device, not resolve_device
+from manual_train.runtime import seed_everything, set_deterministic  # PIPE: process_group picks the device
 
 SCRIPT = "pipeline"  # PIPE
 # >>> PIPE: the model the pipeline splits, on its task (docs/gpt.md): 0.999 val acc after 4 epochs, as the baseline
@@ -50,13 +41,8 @@ __all__ = ["DEFAULTS", "PipelineConfig", "train"]
 def train(cfg: PipelineConfig) -> dict:  # PIPE: the pipeline's flags (pipelining.PipelineConfig)
     # ------------------------------------------------------------------ setup
     # >>> PIPE: the process group as in loops/ddp.py (a group of one under plain python), left on every exit path
-    env = read_env()
-    device = pick_device(cfg.device, env)
-    setup(env, device, cfg.backend, cfg.dist_timeout_s)
-    try:
+    with process_group(cfg) as (env, device):
         return train_rank(cfg, env, device)
-    finally:
-        teardown()
 
 
 def train_rank(cfg: PipelineConfig, env: DistEnv, device: torch.device) -> dict:
@@ -95,6 +81,12 @@ def train_rank(cfg: PipelineConfig, env: DistEnv, device: torch.device) -> dict:
     autocast = autocast_for(cfg.precision, device)
     scaler = torch.amp.GradScaler(device.type, init_scale=cfg.loss_scale_init, enabled=cfg.precision == "16-mixed",
                                   growth_interval=cfg.loss_scale_growth_interval)
+
+    def validate() -> tuple[float, float]:
+        """The validation set's mean loss and accuracy: exact sums, one host sync (.item())."""
+        loss_total, correct, count = evaluate(model, val_loader, device, autocast, cfg.eval_mode)
+        return (loss_total / count).item(), (correct / count).item()
+
     start_epoch, start_micro_step, step, samples_seen = run.start(  # PIPE: wrap_optimizer gathers every stage's
         model=raw_model, optimizer=raw_model.wrap_optimizer(optimizer), scheduler=scheduler, scaler=scaler)  # PIPE
     run.print(f"pipeline: {raw_model}")  # PIPE
@@ -167,8 +159,7 @@ def train_rank(cfg: PipelineConfig, env: DistEnv, device: torch.device) -> dict:
                 # weights are the evaluated ones; a resume from here starts at the next micro-batch, exactly.
                 mid_epoch = micro_step + 1 < micro_steps_per_epoch and step < total_steps
                 if cfg.val_every_steps and step % cfg.val_every_steps == 0 and mid_epoch:
-                    loss_total, correct, count = evaluate(model, val_loader, device, autocast, cfg.eval_mode)
-                    val_loss, val_acc = (loss_total / count).item(), (correct / count).item()
+                    val_loss, val_acc = validate()
                     run.log_val(step, epoch, val_loss, val_acc, scheduler.get_last_lr()[0])  # and early stopping
                 save_due = cfg.checkpoint_every_steps and step % cfg.checkpoint_every_steps == 0
                 if (save_due or run.improved) and mid_epoch:
@@ -180,8 +171,7 @@ def train_rank(cfg: PipelineConfig, env: DistEnv, device: torch.device) -> dict:
         # -------------------------------------------------------------- evaluate, stop early, checkpoint
         # (not again at a step a mid-epoch validation has just evaluated, nor when stopping right after it)
         if ((epoch + 1) % cfg.eval_every == 0 or epoch + 1 == num_epochs or run.stopping) and run.val_step != step:
-            loss_total, correct, count = evaluate(model, val_loader, device, autocast, cfg.eval_mode)
-            val_loss, val_acc = (loss_total / count).item(), (correct / count).item()  # host sync, once per eval
+            val_loss, val_acc = validate()  # host sync, once per eval
             run.log_val(step, epoch, val_loss, val_acc, scheduler.get_last_lr()[0])  # and early stopping
         run.save(epoch, micro_step + 1, step, samples_seen)  # last.pt every epoch (best.pt), atomically
         if run.should_stop(step):  # early stopping, or every step done
@@ -190,6 +180,5 @@ def train_rank(cfg: PipelineConfig, env: DistEnv, device: torch.device) -> dict:
     # ------------------------------------------------------------------ teardown
     restored = run.restore_best()  # --restore-best: best.pt's weights back into raw_model
     if restored:
-        loss_total, correct, count = evaluate(model, val_loader, device, autocast, cfg.eval_mode)
-        val_loss, val_acc = (loss_total / count).item(), (correct / count).item()
+        val_loss, val_acc = validate()
     return run.finish(epoch, step, samples_seen, val_loss, val_acc, restored=restored)  # summary.json

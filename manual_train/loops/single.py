@@ -1,9 +1,9 @@
-"""Single-device training: the baseline every other loop in manual_train is a diff of.
+"""Single-device training: the baseline; every other loop in manual_train is a diff of it, directly or through ddp.py.
 
     python launch/single.py                                 # cnn on digits, >= 0.95 val acc, ~20 s on 2 CPU cores
     python launch/single.py --batch-size 16 --accumulate 4  # the same weights as --batch-size 64
     python launch/single.py --precision bf16-mixed --num-workers 2 --pin-memory
-    python launch/single.py --resume runs/single-<time>/last.pt --epochs 12
+    python launch/single.py --resume runs/single-<time>/last.pt  # the run's own flags: continues where it stopped
 
 Reads top to bottom: setup, the loop, teardown. The techniques are the commented lines:
   DataLoader tuning ........ data.build_loader (workers, pinning, prefetch) and .to(non_blocking=True)
@@ -11,8 +11,7 @@ Reads top to bottom: setup, the loop, teardown. The techniques are the commented
   precision ................ torch.autocast around forward and loss; a GradScaler, enabled for 16-mixed only
   logging .................. running sums of loss.detach() on the device, .item() only at log steps
   evaluation ............... evaluation.evaluate under no_grad or inference_mode, exact sums
-The run's outputs, checkpoints and exact resume, early stopping, restore-best and the summary are the `run.`
-calls (manual_train/run.py; docs/checkpointing.md, docs/early_stopping.md).
+Outputs, checkpoints, exact resume, early stopping and the summary are `run.` calls (manual_train/run.py).
 """
 from __future__ import annotations
 
@@ -64,6 +63,12 @@ def train(cfg: Config) -> dict:
     autocast = autocast_for(cfg.precision, device)
     scaler = torch.amp.GradScaler(device.type, init_scale=cfg.loss_scale_init, enabled=cfg.precision == "16-mixed",
                                   growth_interval=cfg.loss_scale_growth_interval)
+
+    def validate() -> tuple[float, float]:
+        """The validation set's mean loss and accuracy: exact sums, one host sync (.item())."""
+        loss_total, correct, count = evaluate(model, val_loader, device, autocast, cfg.eval_mode)
+        return (loss_total / count).item(), (correct / count).item()
+
     start_epoch, start_micro_step, step, samples_seen = run.start(
         model=raw_model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)  # --resume loads into these
 
@@ -130,8 +135,7 @@ def train(cfg: Config) -> dict:
                 # weights are the evaluated ones; a resume from here starts at the next micro-batch, exactly.
                 mid_epoch = micro_step + 1 < micro_steps_per_epoch and step < total_steps
                 if cfg.val_every_steps and step % cfg.val_every_steps == 0 and mid_epoch:
-                    loss_total, correct, count = evaluate(model, val_loader, device, autocast, cfg.eval_mode)
-                    val_loss, val_acc = (loss_total / count).item(), (correct / count).item()
+                    val_loss, val_acc = validate()
                     run.log_val(step, epoch, val_loss, val_acc, scheduler.get_last_lr()[0])  # and early stopping
                 save_due = cfg.checkpoint_every_steps and step % cfg.checkpoint_every_steps == 0
                 if (save_due or run.improved) and mid_epoch:
@@ -143,8 +147,7 @@ def train(cfg: Config) -> dict:
         # -------------------------------------------------------------- evaluate, stop early, checkpoint
         # (not again at a step a mid-epoch validation has just evaluated, nor when stopping right after it)
         if ((epoch + 1) % cfg.eval_every == 0 or epoch + 1 == num_epochs or run.stopping) and run.val_step != step:
-            loss_total, correct, count = evaluate(model, val_loader, device, autocast, cfg.eval_mode)
-            val_loss, val_acc = (loss_total / count).item(), (correct / count).item()  # host sync, once per eval
+            val_loss, val_acc = validate()  # host sync, once per eval
             run.log_val(step, epoch, val_loss, val_acc, scheduler.get_last_lr()[0])  # and early stopping
         run.save(epoch, micro_step + 1, step, samples_seen)  # last.pt every epoch (best.pt), atomically
         if run.should_stop(step):  # early stopping, or every step done
@@ -153,6 +156,5 @@ def train(cfg: Config) -> dict:
     # ------------------------------------------------------------------ teardown
     restored = run.restore_best()  # --restore-best: best.pt's weights back into raw_model
     if restored:
-        loss_total, correct, count = evaluate(model, val_loader, device, autocast, cfg.eval_mode)
-        val_loss, val_acc = (loss_total / count).item(), (correct / count).item()
+        val_loss, val_acc = validate()
     return run.finish(epoch, step, samples_seen, val_loss, val_acc, restored=restored)  # summary.json

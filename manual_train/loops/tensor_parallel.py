@@ -1,32 +1,17 @@
 # >>> TP: the docstring: what is split, the commands, and what differs from the ZeRO loop
 """Tensor parallelism under torchrun: every attention and MLP of the GPT split over --tp ranks (Megatron-LM's
-column/row split, torch.distributed.tensor.parallel), and 2-D: FSDP2 over --dp replicas of that
-(docs/tensor_parallel.md).
+column/row split, torch.distributed.tensor.parallel), and 2-D: FSDP2 over --dp replicas of that.
 
     torchrun --nproc_per_node=2 launch/tensor_parallel.py                  # --tp 2: every rank the same batches
     torchrun --nproc_per_node=4 launch/tensor_parallel.py --dp 2 --tp 2    # 2-D: a (dp 2, tp 2) DeviceMesh
     torchrun --nproc_per_node=2 launch/tensor_parallel.py --sequence-parallel   # LayerNorms on s/tp positions each
     torchrun --nproc_per_node=2 launch/tensor_parallel.py --epochs 1 --out-dir T   # the weights of (1e-9 in 64-true):
     python launch/single.py --model gpt --dataset reverse --optimizer adamw --lr 3e-3 --batch-size 16 --epochs 1
-    python launch/single.py --resume T/last.pt --model gpt --dataset reverse ...   # its checkpoint is a plain one
 
 `diff manual_train/loops/zero.py manual_train/loops/tensor_parallel.py` is the lesson; every changed line is marked
-TP. Its parent is the ZeRO loop because 2-D is ZeRO's FSDP2 with TP inside each replica; with --dp 1 nothing is
-sharded by FSDP and the loop is TP alone. What differs from the ZeRO loop:
-  the mesh ......... ranks r*tp .. r*tp+tp-1 form data-parallel replica r (dp_coords): the sampler, the validation
-                     shard, the batch sizes and the per-rank seed count replicas, not ranks; a replica's tp ranks
-                     load the same batches and draw the same dropout masks
-  the model ........ parallelize() (manual_train/tensor_parallelism.py) in place of shard(): ColwiseParallel q, k,
-                     v and MLP fc, RowwiseParallel projections, every other parameter replicated on the tp mesh (the
-                     DTensor/foreach trap), then FSDP2 over dp; it returns zero's interface, so the step, clipping,
-                     evaluation and checkpoints are the ZeRO loop's calls unchanged
-  logging .......... unchanged: all_sum over every rank counts each replica tp times, in the numerator and the
-                     denominator alike, so the logged means are the baseline's
-  checkpoints ...... the full GPT in its own layout: single.py resumes it, and this loop resumes any loop's GPT
-                     checkpoint; --checkpoint-format dcp: every rank's shards, resumable at another --dp x --tp or
-                     in one process
-  the end .......... bytes held per rank next to the formula (bytes communicated: manual_train/bench/tensor_parallel.py)
-DEFAULTS: the GPT on the reverse task (docs/gpt.md), --batch-size 16 per replica (--dp 2: the baseline's 32).
+TP. Its parent is the ZeRO loop because 2-D is ZeRO's FSDP2 with TP inside each replica: the data-parallel numbers
+count replicas (dp_coords), not ranks, and parallelize() (manual_train/tensor_parallelism.py) replaces shard() with
+zero's interface. What each change does, checkpoints and the bytes per rank: docs/tensor_parallel.md.
 """
 # <<< TP
 from __future__ import annotations
@@ -35,17 +20,17 @@ import math
 # ZERO: no contextlib.nullcontext: sharded.no_sync() chooses the context
 
 import torch
-import torch.nn as nn  # ZERO: no DistributedDataParallel: shard() builds the wrapper
+# ZERO: no DistributedDataParallel: shard() builds the wrapper
 
 from manual_train import data
 from manual_train.config import Config
-from manual_train.distributed import DistEnv, all_sum, pick_device, read_env, setup, teardown  # ZERO: not DDPConfig
+from manual_train.distributed import DistEnv, all_sum, process_group, sync_batchnorm  # ZERO: not DDPConfig, no hook
 from manual_train.evaluation import evaluate
 from manual_train.models import build_model_from, correct_count, loss_fn
 from manual_train.optim import build_optimizer, build_scheduler, scaled_lr
 from manual_train.precision import CastInputs, autocast_for, param_dtype
 from manual_train.run import Run
-from manual_train.runtime import seed_everything, set_deterministic  # DDP: pick_device, not resolve_device
+from manual_train.runtime import seed_everything, set_deterministic  # DDP: process_group picks the device
 from manual_train.tensor_parallelism import TPConfig, dp_coords, parallelize  # TP: zero.py's flags plus the mesh's
 
 SCRIPT = "tensor_parallel"  # TP
@@ -58,15 +43,10 @@ __all__ = ["TPConfig", "DEFAULTS", "train"]
 
 def train(cfg: TPConfig) -> dict:  # TP
     # ------------------------------------------------------------------ setup
-    # >>> DDP: who this process is (torchrun's environment) and its device; join the group, and leave it on every
-    # exit path: destroy_process_group frees the communicators and lets a process join another group later
-    env = read_env()
-    device = pick_device(cfg.device, env)  # cuda:LOCAL_RANK; setup() binds it before init_process_group
-    setup(env, device, cfg.backend, cfg.dist_timeout_s)
-    try:
+    # >>> DDP: who this process is (torchrun's environment) and its device (cuda:LOCAL_RANK, bound before
+    # init_process_group), inside the process group, which it leaves on every exit path (distributed.process_group)
+    with process_group(cfg) as (env, device):
         return train_rank(cfg, env, device)
-    finally:
-        teardown()
 
 
 def train_rank(cfg: TPConfig, env: DistEnv, device: torch.device) -> dict:  # TP
@@ -75,11 +55,9 @@ def train_rank(cfg: TPConfig, env: DistEnv, device: torch.device) -> dict:  # TP
     set_deterministic(cfg.deterministic)
     torch.autograd.set_detect_anomaly(cfg.detect_anomaly)  # --detect-anomaly: backward names the op that made a NaN
     train_ds, val_ds, info = data.build_datasets(cfg)
-    # >>> DDP: rank r trains on perm[r::N] of the one permutation and evaluates indices r, r+N, ... of the validation
-    # set. No repeats: DistributedSampler pads a set that N does not divide with duplicates (pad=True), which then
-    # count twice; here a shard one sample short gets an empty last micro-batch instead, so every rank runs the
-    # same micro-steps (n_train below counts ceil(n / N) positions on every rank). The weights below use the whole
-    # set's numbers: n_all samples, micro_batch = N x batch samples in each micro-step (fewer in the epoch's last).
+    # >>> DDP: rank r trains on perm[r::N] and evaluates val[r::N]; no padding with repeats (pad=False): a short shard
+    # ends in an empty micro-batch. The weights use the whole set's numbers: n_all samples, micro_batch = N x batch
+    # samples per micro-step (docs/ddp.md, "The sampler")
     # >>> TP: N is the number of replicas (dp), r this rank's replica: the tp ranks of a replica share its batches
     dp, dp_rank = dp_coords(cfg, env)
     sampler = data.train_sampler(train_ds, cfg.seed, dp, dp_rank, pad=False)
@@ -102,23 +80,13 @@ def train_rank(cfg: TPConfig, env: DistEnv, device: torch.device) -> dict:  # TP
 
     torch.manual_seed(cfg.seed)  # right before building: the same --seed gives the same weights in every loop
     raw_model = build_model_from(cfg, info).to(param_dtype(cfg.precision)).to(device)  # moved once
-    # >>> DDP: --sync-bn: BatchNorm statistics over the global batch, one extra all-reduce per BatchNorm layer in
-    # every forward (CUDA only, refused on the CPU by DDPConfig.validate)
-    if cfg.sync_bn:
-        raw_model = nn.SyncBatchNorm.convert_sync_batchnorm(raw_model)
-    # <<< DDP
     model = CastInputs(raw_model) if cfg.precision == "64-true" else raw_model  # 64-true: float64 inputs too
-    # >>> ZERO: in place of DDP's wrapper: the baseline's optimizer, unchanged, then shard() decides from --impl and
-    # --stage, once: it wraps raw_model (CastInputs stays outermost) and rebuilds the optimizer's class and
-    # hyper-parameters around this rank's shard (ZeroRedundancyOptimizer, OSS) or the sharded parameters (FSDP).
-    # Stage 1 and fairscale's stage 2 broadcast rank 0's weights as DDP does; FSDP needs none (every rank built the
-    # same weights from the seed). Its forward is a collective, so every rank evaluates as many batches.
+    # >>> ZERO: in place of DDP's wrapper: the baseline's optimizer, then shard() wraps the model and rebuilds the
+    # optimizer around this rank's shard, as --impl and --stage say (docs/zero.md, "What each stage shards").
     optimizer = build_optimizer(cfg, raw_model.parameters(), lr)
-    sharded = parallelize(model, optimizer, cfg, device)  # TP: the mesh, TP, then FSDP2 over dp (--dp > 1)
+    sharded = parallelize(sync_batchnorm(model, cfg), optimizer, cfg, device)  # TP: mesh, TP, FSDP2 over dp
     model, optimizer = sharded.model, sharded.optimizer
-    val_loader = sharded.same_batch_count(val_loader)
-    # the weights are equal on every rank; from here each rank draws its own random numbers (dropout masks,
-    # augmentations, DataLoader workers' seeds), not one stream N times over
+    val_loader = sharded.same_batch_count(val_loader)  # FSDP's forward is a collective: as many batches per rank
     seed_everything(cfg.seed + dp_rank)  # TP: a replica's tp ranks draw the same masks on replicated activations
     # <<< ZERO
     scheduler = build_scheduler(cfg, optimizer, total_steps)
@@ -127,16 +95,28 @@ def train_rank(cfg: TPConfig, env: DistEnv, device: torch.device) -> dict:  # TP
     # backward and divides the gradients by it after; bf16 has fp32's range and needs no scaling. Disabled, the
     # GradScaler passes everything through (scale 1).
     autocast = autocast_for(cfg.precision, device)
-    # >>> ZERO: 16-mixed with sharded gradients (stage 2, 3): torch.amp's GradScaler would check only this rank's
-    # shard for inf/NaN, so one rank could skip a step the others take; a ShardedGradScaler all-reduces the check.
-    # Checkpoints hold the plain full state: full_model/full_optimizer.state_dict() gather it (every rank calls
-    # it, rank 0 writes), load_state_dict() keeps this rank's shard of a full state (any loop's checkpoint).
+    # >>> ZERO: a GradScaler whose inf/NaN check spans every rank's shard; checkpoints hold the full state, gathered
+    # from every rank (full_model, full_optimizer), and load into this rank's shard (docs/zero.md, "Checkpoints")
     scaler = sharded.grad_scaler(device.type, init_scale=cfg.loss_scale_init, enabled=cfg.precision == "16-mixed",
                                  growth_interval=cfg.loss_scale_growth_interval)
-    start_epoch, start_micro_step, step, samples_seen = run.start(
-        model=sharded.full_model, optimizer=sharded.full_optimizer, scheduler=scheduler, scaler=scaler)
-    run.print(f"tensor parallel: {sharded}")  # TP: the mesh, the styles and the optimizer parallelize() chose
     # <<< ZERO
+
+    def validate() -> tuple[float, float]:
+        """The validation set's mean loss and accuracy: exact sums, one host sync (.item())."""
+        # >>> DDP: this rank's shard through the module itself (DDP's forward broadcasts buffers: a collective, which
+        # hangs when shards differ in batch count); the summed sums are one process's, the same on every rank
+        # >>> ZERO: FSDP evaluates through its own forward (it gathers the parameters), the others DDP's way;
+        # then FSDP2's stage 2 frees what a forward without backward left gathered
+        loss_total, correct, count = evaluate(sharded.eval_model, val_loader, device, autocast, cfg.eval_mode)
+        sharded.reshard()
+        # <<< ZERO
+        loss_total, correct, count = all_sum(loss_total, correct, count, device=device)
+        # <<< DDP
+        return (loss_total / count).item(), (correct / count).item()
+
+    start_epoch, start_micro_step, step, samples_seen = run.start(
+        model=sharded.full_model, optimizer=sharded.full_optimizer, scheduler=scheduler, scaler=scaler)  # ZERO
+    run.print(f"tensor parallel: {sharded}")  # TP: the mesh, the styles and the optimizer parallelize() chose
 
     # ------------------------------------------------------------------ training loop
     # Running sums stay on the device: adding loss.detach() costs no host sync and keeps no graph.
@@ -161,18 +141,13 @@ def train_rank(cfg: TPConfig, env: DistEnv, device: torch.device) -> dict:  # TP
             # Accumulation: weight each micro-batch's mean loss by its share of the window's samples, so the
             # window's gradient is the mean over all its samples, as one big batch (also for the epoch's
             # last, partial window, where dividing by K would shrink it; Lightning issue 19987).
-            # >>> DDP: the window is the GLOBAL one, every rank's samples of it, and DDP divides the all-reduced sum by
-            # N, so each rank's share is times N: the mean over the window's samples also when ranks' micro-batches
-            # differ in size (weighting by a rank's own window, a mean of ranks' means, is 2e-2 off on 77 samples).
-            # An empty micro-batch (weight 0) still runs forward and backward, so its rank joins the all-reduce with
-            # exact zeros: torch's Join written out, except that every rank then also steps, logs and saves (under
-            # Join the rank that ran out skips the step, and its momentum falls behind: docs/ddp_knobs.md).
+            # >>> DDP: the share of the GLOBAL window (every rank's samples), times N because DDP averages over ranks;
+            # an empty micro-batch (weight 0) joins the all-reduce with exact zeros (docs/ddp.md, "The sampler")
             weight = x.shape[0] * dp / data.window_samples(n_all, micro_batch, cfg.accumulate, micro_step)  # TP
             # <<< DDP
 
-            # >>> DDP: inside no_sync() backward only adds into each rank's own .grad; the window's last micro-step
-            # runs outside it and its backward all-reduces the accumulated sums. One all-reduce per optimizer step,
-            # not per micro-batch, and the same mean gradient. (Forward is inside too: DDP prepares the reducer there.)
+            # >>> DDP: no_sync(): backward only adds into this rank's .grad; the window's last micro-step all-reduces
+            # the sums, once per optimizer step (forward is inside too: DDP prepares the reducer there)
             with sharded.no_sync(window_end):  # ZERO: DDP's, ShardedDDP's; none under FSDP (gradients stay sharded)
                 with autocast():  # forward and loss only: backward runs in the dtypes forward chose
                     logits = model(x)
@@ -217,15 +192,7 @@ def train_rank(cfg: TPConfig, env: DistEnv, device: torch.device) -> dict:  # TP
                 # weights are the evaluated ones; a resume from here starts at the next micro-batch, exactly.
                 mid_epoch = micro_step + 1 < micro_steps_per_epoch and step < total_steps
                 if cfg.val_every_steps and step % cfg.val_every_steps == 0 and mid_epoch:
-                    # >>> DDP: as at the epoch's end, below
-                    # >>> ZERO: as at the epoch's end, below
-                    loss_total, correct, count = evaluate(sharded.eval_model, val_loader, device, autocast,
-                                                          cfg.eval_mode)
-                    sharded.reshard()
-                    # <<< ZERO
-                    loss_total, correct, count = all_sum(loss_total, correct, count, device=device)
-                    # <<< DDP
-                    val_loss, val_acc = (loss_total / count).item(), (correct / count).item()
+                    val_loss, val_acc = validate()
                     run.log_val(step, epoch, val_loss, val_acc, scheduler.get_last_lr()[0])  # and early stopping
                 save_due = cfg.checkpoint_every_steps and step % cfg.checkpoint_every_steps == 0
                 if (save_due or run.improved) and mid_epoch:
@@ -237,17 +204,7 @@ def train_rank(cfg: TPConfig, env: DistEnv, device: torch.device) -> dict:  # TP
         # -------------------------------------------------------------- evaluate, stop early, checkpoint
         # (not again at a step a mid-epoch validation has just evaluated, nor when stopping right after it)
         if ((epoch + 1) % cfg.eval_every == 0 or epoch + 1 == num_epochs or run.stopping) and run.val_step != step:
-            # >>> DDP: each rank evaluates its shard with the wrapped module itself (DDP's forward would broadcast
-            # buffers from rank 0 on every call: a collective, which hangs when shards differ in batch count); the
-            # all-reduced sums are the single-process sums, so every rank gets the same numbers (and decisions)
-            # >>> ZERO: FSDP evaluates through its own forward (it gathers the parameters), the others DDP's way;
-            # then FSDP2's stage 2 frees what a forward without backward left gathered
-            loss_total, correct, count = evaluate(sharded.eval_model, val_loader, device, autocast, cfg.eval_mode)
-            sharded.reshard()
-            # <<< ZERO
-            loss_total, correct, count = all_sum(loss_total, correct, count, device=device)
-            # <<< DDP
-            val_loss, val_acc = (loss_total / count).item(), (correct / count).item()  # host sync, once per eval
+            val_loss, val_acc = validate()  # host sync, once per eval
             run.log_val(step, epoch, val_loss, val_acc, scheduler.get_last_lr()[0])  # and early stopping
         run.save(epoch, micro_step + 1, step, samples_seen)  # last.pt every epoch (best.pt), atomically
         if run.should_stop(step):  # early stopping, or every step done
@@ -256,16 +213,8 @@ def train_rank(cfg: TPConfig, env: DistEnv, device: torch.device) -> dict:  # TP
     # ------------------------------------------------------------------ teardown
     restored = run.restore_best()  # --restore-best: best.pt's weights back into raw_model
     if restored:
-        # >>> DDP: as above
-        # >>> ZERO: as above; run.restore_best() loaded best.pt's full weights into every rank's shard
-        loss_total, correct, count = evaluate(sharded.eval_model, val_loader, device, autocast, cfg.eval_mode)
-        sharded.reshard()
-        # <<< ZERO
-        loss_total, correct, count = all_sum(loss_total, correct, count, device=device)
-        # <<< DDP
-        val_loss, val_acc = (loss_total / count).item(), (correct / count).item()
-    # >>> ZERO: what each rank holds now (parameters, gradients, optimizer state; gathered from every rank) next to
-    # the paper's formulas for this stage and for DDP: a table on the console, the numbers in summary.json
+        val_loss, val_acc = validate()
+    # >>> ZERO: the bytes each rank holds now (parameters, gradients, optimizer state) next to the paper's formulas
     table, memory = sharded.memory_report()
     run.print(table)
     return run.finish(epoch, step, samples_seen, val_loss, val_acc, restored=restored, **memory)  # summary.json

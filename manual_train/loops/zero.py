@@ -6,28 +6,13 @@
     torchrun --nproc_per_node=2 launch/zero.py --stage 3 --optimizer adamw --epochs 1 --out-dir Z   # the weights of:
     torchrun --nproc_per_node=2 launch/ddp.py --optimizer adamw --epochs 1 --out-dir D              #   (1e-6)
     torchrun --nproc_per_node=8 launch/zero.py --stage 3 --device cuda --precision bf16-mixed --batch-size 32
-    python launch/single.py --resume Z/last.pt --epochs 2      # a ZeRO checkpoint is a plain one
-
-    --impl    stage 1                         stage 2                              stage 3
-    torch     ZeroRedundancyOptimizer + DDP   FSDP2, reshard_after_forward=False   FSDP2, reshard_after_forward=True
-    fairscale OSS + DDP                       OSS + ShardedDataParallel            FullyShardedDataParallel (CUDA only)
-
-Per rank, with N ranks and psi parameters (fp32 AdamW: 4 + 4 + 8 bytes per parameter), the ZeRO paper's model:
-DDP (4+4+8) psi; stage 1 (4+4) psi + 8 psi/N; stage 2 4 psi + (4+8) psi/N; stage 3 (4+4+8) psi/N. The run measures
-what each rank really holds and prints it next to these at the end (summary.json: per_rank_bytes).
+    python -m manual_train.evaluate --checkpoint Z/last.pt      # a ZeRO checkpoint is a plain one
 
 `diff manual_train/loops/ddp.py manual_train/loops/zero.py` is the lesson; every changed line is marked ZERO.
-shard() (manual_train/zero.py) decides once, from --impl and --stage, and returns what the loop calls instead:
-  the model ........ the wrapper and the sharded optimizer, built around the baseline's model and optimizer
-                     (FSDP2: per block, then the root); sharded.model to call, sharded.optimizer to step
-  the step ......... sharded.zero_grad() (ShardedDDP's own), sharded.no_sync() (none under FSDP: gradients stay
-                     sharded), sharded.clip_grad_norm() over the shards, a shard-aware GradScaler for 16-mixed
-  evaluation ....... FSDP's forward is a collective: every rank runs the same number of batches, through FSDP
-  checkpoints ...... sharded.full_model / full_optimizer: every rank joins in gathering the full state, rank 0
-                     writes a plain checkpoint (single.py and ddp.py resume it; this loop resumes theirs)
-  the end .......... bytes of parameters, gradients and optimizer state held by each rank, against the formulas
-Defaults are the DDP loop's (--batch-size 8 per rank); --impl torch is the default: it runs every stage on the CPU
-and on GPUs, ships with torch, and is maintained (fairscale's last release was 0.4.13 in 2022).
+shard() (manual_train/zero.py) decides once, from --impl and --stage, and returns what the loop calls instead of
+DDP's: the wrapper and sharded optimizer, zero_grad, no_sync, clip_grad_norm, a shard-aware GradScaler, the model
+to evaluate, and the full state for checkpoints. Which wrapper each --impl and --stage builds, the bytes each rank
+holds (the ZeRO paper's formulas, measured at the end) and why each hunk is there: docs/zero.md.
 """
 # <<< ZERO
 from __future__ import annotations
@@ -36,37 +21,31 @@ import math
 # ZERO: no contextlib.nullcontext: sharded.no_sync() chooses the context
 
 import torch
-import torch.nn as nn  # ZERO: no DistributedDataParallel: shard() builds the wrapper
+# ZERO: no DistributedDataParallel: shard() builds the wrapper
 
 from manual_train import data
 from manual_train.config import Config
-from manual_train.distributed import DistEnv, all_sum, pick_device, read_env, setup, teardown  # ZERO: not DDPConfig
+from manual_train.distributed import DistEnv, all_sum, process_group, sync_batchnorm  # ZERO: not DDPConfig, no hook
 from manual_train.evaluation import evaluate
 from manual_train.models import build_model_from, correct_count, loss_fn
 from manual_train.optim import build_optimizer, build_scheduler, scaled_lr
 from manual_train.precision import CastInputs, autocast_for, param_dtype
 from manual_train.run import Run
-from manual_train.runtime import seed_everything, set_deterministic  # DDP: pick_device, not resolve_device
+from manual_train.runtime import seed_everything, set_deterministic  # DDP: process_group picks the device
 from manual_train.zero import ZeroConfig, shard  # ZERO: the DDP loop's flags plus --stage, --impl
 
 SCRIPT = "zero"  # ZERO
-# >>> DDP: --batch-size is per rank; 8 gives the demo's 4 ranks the baseline's global batch of 32, and with it the
-# baseline's learning rate and schedule: the same samples at every step (0.9798 val acc after 10 epochs, as it)
+# >>> DDP: --batch-size is per rank; 8 gives the demo's 4 ranks the baseline's global batch of 32 (docs/ddp.md)
 DEFAULTS = dict(batch_size=8)
 __all__ = ["ZeroConfig", "DEFAULTS", "train"]  # ZERO
 
 
 def train(cfg: ZeroConfig) -> dict:  # ZERO
     # ------------------------------------------------------------------ setup
-    # >>> DDP: who this process is (torchrun's environment) and its device; join the group, and leave it on every
-    # exit path: destroy_process_group frees the communicators and lets a process join another group later
-    env = read_env()
-    device = pick_device(cfg.device, env)  # cuda:LOCAL_RANK; setup() binds it before init_process_group
-    setup(env, device, cfg.backend, cfg.dist_timeout_s)
-    try:
+    # >>> DDP: who this process is (torchrun's environment) and its device (cuda:LOCAL_RANK, bound before
+    # init_process_group), inside the process group, which it leaves on every exit path (distributed.process_group)
+    with process_group(cfg) as (env, device):
         return train_rank(cfg, env, device)
-    finally:
-        teardown()
 
 
 def train_rank(cfg: ZeroConfig, env: DistEnv, device: torch.device) -> dict:  # ZERO
@@ -75,11 +54,9 @@ def train_rank(cfg: ZeroConfig, env: DistEnv, device: torch.device) -> dict:  # 
     set_deterministic(cfg.deterministic)
     torch.autograd.set_detect_anomaly(cfg.detect_anomaly)  # --detect-anomaly: backward names the op that made a NaN
     train_ds, val_ds, info = data.build_datasets(cfg)
-    # >>> DDP: rank r trains on perm[r::N] of the one permutation and evaluates indices r, r+N, ... of the validation
-    # set. No repeats: DistributedSampler pads a set that N does not divide with duplicates (pad=True), which then
-    # count twice; here a shard one sample short gets an empty last micro-batch instead, so every rank runs the
-    # same micro-steps (n_train below counts ceil(n / N) positions on every rank). The weights below use the whole
-    # set's numbers: n_all samples, micro_batch = N x batch samples in each micro-step (fewer in the epoch's last).
+    # >>> DDP: rank r trains on perm[r::N] and evaluates val[r::N]; no padding with repeats (pad=False): a short shard
+    # ends in an empty micro-batch. The weights use the whole set's numbers: n_all samples, micro_batch = N x batch
+    # samples per micro-step (docs/ddp.md, "The sampler")
     sampler = data.train_sampler(train_ds, cfg.seed, env.world_size, env.rank, pad=False)
     train_loader = data.build_loader(train_ds, cfg, device, batch_size=cfg.batch_size, sampler=sampler)
     val_loader = data.build_loader(data.eval_shard(val_ds, env.world_size, env.rank), cfg, device,
@@ -99,24 +76,14 @@ def train_rank(cfg: ZeroConfig, env: DistEnv, device: torch.device) -> dict:  # 
 
     torch.manual_seed(cfg.seed)  # right before building: the same --seed gives the same weights in every loop
     raw_model = build_model_from(cfg, info).to(param_dtype(cfg.precision)).to(device)  # moved once
-    # >>> DDP: --sync-bn: BatchNorm statistics over the global batch, one extra all-reduce per BatchNorm layer in
-    # every forward (CUDA only, refused on the CPU by DDPConfig.validate)
-    if cfg.sync_bn:
-        raw_model = nn.SyncBatchNorm.convert_sync_batchnorm(raw_model)
-    # <<< DDP
     model = CastInputs(raw_model) if cfg.precision == "64-true" else raw_model  # 64-true: float64 inputs too
-    # >>> ZERO: in place of DDP's wrapper: the baseline's optimizer, unchanged, then shard() decides from --impl and
-    # --stage, once: it wraps raw_model (CastInputs stays outermost) and rebuilds the optimizer's class and
-    # hyper-parameters around this rank's shard (ZeroRedundancyOptimizer, OSS) or the sharded parameters (FSDP).
-    # Stage 1 and fairscale's stage 2 broadcast rank 0's weights as DDP does; FSDP needs none (every rank built the
-    # same weights from the seed). Its forward is a collective, so every rank evaluates as many batches.
+    # >>> ZERO: in place of DDP's wrapper: the baseline's optimizer, then shard() wraps the model and rebuilds the
+    # optimizer around this rank's shard, as --impl and --stage say (docs/zero.md, "What each stage shards").
     optimizer = build_optimizer(cfg, raw_model.parameters(), lr)
-    sharded = shard(model, optimizer, cfg, device)
+    sharded = shard(sync_batchnorm(model, cfg), optimizer, cfg, device)
     model, optimizer = sharded.model, sharded.optimizer
-    val_loader = sharded.same_batch_count(val_loader)
-    # the weights are equal on every rank; from here each rank draws its own random numbers (dropout masks,
-    # augmentations, DataLoader workers' seeds), not one stream N times over
-    seed_everything(cfg.seed + env.rank)
+    val_loader = sharded.same_batch_count(val_loader)  # FSDP's forward is a collective: as many batches per rank
+    seed_everything(cfg.seed + env.rank)  # the weights are equal now: each rank draws its own random numbers
     # <<< ZERO
     scheduler = build_scheduler(cfg, optimizer, total_steps)
     # torch.amp: autocast runs forward and loss in float16 (16-mixed) or bfloat16 (bf16-mixed) where that is safe.
@@ -124,16 +91,28 @@ def train_rank(cfg: ZeroConfig, env: DistEnv, device: torch.device) -> dict:  # 
     # backward and divides the gradients by it after; bf16 has fp32's range and needs no scaling. Disabled, the
     # GradScaler passes everything through (scale 1).
     autocast = autocast_for(cfg.precision, device)
-    # >>> ZERO: 16-mixed with sharded gradients (stage 2, 3): torch.amp's GradScaler would check only this rank's
-    # shard for inf/NaN, so one rank could skip a step the others take; a ShardedGradScaler all-reduces the check.
-    # Checkpoints hold the plain full state: full_model/full_optimizer.state_dict() gather it (every rank calls
-    # it, rank 0 writes), load_state_dict() keeps this rank's shard of a full state (any loop's checkpoint).
+    # >>> ZERO: a GradScaler whose inf/NaN check spans every rank's shard; checkpoints hold the full state, gathered
+    # from every rank (full_model, full_optimizer), and load into this rank's shard (docs/zero.md, "Checkpoints")
     scaler = sharded.grad_scaler(device.type, init_scale=cfg.loss_scale_init, enabled=cfg.precision == "16-mixed",
                                  growth_interval=cfg.loss_scale_growth_interval)
-    start_epoch, start_micro_step, step, samples_seen = run.start(
-        model=sharded.full_model, optimizer=sharded.full_optimizer, scheduler=scheduler, scaler=scaler)
-    run.print(f"zero: {sharded}")  # the wrapper and the optimizer shard() chose
     # <<< ZERO
+
+    def validate() -> tuple[float, float]:
+        """The validation set's mean loss and accuracy: exact sums, one host sync (.item())."""
+        # >>> DDP: this rank's shard through the module itself (DDP's forward broadcasts buffers: a collective, which
+        # hangs when shards differ in batch count); the summed sums are one process's, the same on every rank
+        # >>> ZERO: FSDP evaluates through its own forward (it gathers the parameters), the others DDP's way;
+        # then FSDP2's stage 2 frees what a forward without backward left gathered
+        loss_total, correct, count = evaluate(sharded.eval_model, val_loader, device, autocast, cfg.eval_mode)
+        sharded.reshard()
+        # <<< ZERO
+        loss_total, correct, count = all_sum(loss_total, correct, count, device=device)
+        # <<< DDP
+        return (loss_total / count).item(), (correct / count).item()
+
+    start_epoch, start_micro_step, step, samples_seen = run.start(
+        model=sharded.full_model, optimizer=sharded.full_optimizer, scheduler=scheduler, scaler=scaler)  # ZERO
+    run.print(f"zero: {sharded}")  # ZERO: the wrapper and the optimizer shard() chose
 
     # ------------------------------------------------------------------ training loop
     # Running sums stay on the device: adding loss.detach() costs no host sync and keeps no graph.
@@ -158,18 +137,13 @@ def train_rank(cfg: ZeroConfig, env: DistEnv, device: torch.device) -> dict:  # 
             # Accumulation: weight each micro-batch's mean loss by its share of the window's samples, so the
             # window's gradient is the mean over all its samples, as one big batch (also for the epoch's
             # last, partial window, where dividing by K would shrink it; Lightning issue 19987).
-            # >>> DDP: the window is the GLOBAL one, every rank's samples of it, and DDP divides the all-reduced sum by
-            # N, so each rank's share is times N: the mean over the window's samples also when ranks' micro-batches
-            # differ in size (weighting by a rank's own window, a mean of ranks' means, is 2e-2 off on 77 samples).
-            # An empty micro-batch (weight 0) still runs forward and backward, so its rank joins the all-reduce with
-            # exact zeros: torch's Join written out, except that every rank then also steps, logs and saves (under
-            # Join the rank that ran out skips the step, and its momentum falls behind: docs/ddp_knobs.md).
+            # >>> DDP: the share of the GLOBAL window (every rank's samples), times N because DDP averages over ranks;
+            # an empty micro-batch (weight 0) joins the all-reduce with exact zeros (docs/ddp.md, "The sampler")
             weight = x.shape[0] * env.world_size / data.window_samples(n_all, micro_batch, cfg.accumulate, micro_step)
             # <<< DDP
 
-            # >>> DDP: inside no_sync() backward only adds into each rank's own .grad; the window's last micro-step
-            # runs outside it and its backward all-reduces the accumulated sums. One all-reduce per optimizer step,
-            # not per micro-batch, and the same mean gradient. (Forward is inside too: DDP prepares the reducer there.)
+            # >>> DDP: no_sync(): backward only adds into this rank's .grad; the window's last micro-step all-reduces
+            # the sums, once per optimizer step (forward is inside too: DDP prepares the reducer there)
             with sharded.no_sync(window_end):  # ZERO: DDP's, ShardedDDP's; none under FSDP (gradients stay sharded)
                 with autocast():  # forward and loss only: backward runs in the dtypes forward chose
                     logits = model(x)
@@ -214,15 +188,7 @@ def train_rank(cfg: ZeroConfig, env: DistEnv, device: torch.device) -> dict:  # 
                 # weights are the evaluated ones; a resume from here starts at the next micro-batch, exactly.
                 mid_epoch = micro_step + 1 < micro_steps_per_epoch and step < total_steps
                 if cfg.val_every_steps and step % cfg.val_every_steps == 0 and mid_epoch:
-                    # >>> DDP: as at the epoch's end, below
-                    # >>> ZERO: as at the epoch's end, below
-                    loss_total, correct, count = evaluate(sharded.eval_model, val_loader, device, autocast,
-                                                          cfg.eval_mode)
-                    sharded.reshard()
-                    # <<< ZERO
-                    loss_total, correct, count = all_sum(loss_total, correct, count, device=device)
-                    # <<< DDP
-                    val_loss, val_acc = (loss_total / count).item(), (correct / count).item()
+                    val_loss, val_acc = validate()
                     run.log_val(step, epoch, val_loss, val_acc, scheduler.get_last_lr()[0])  # and early stopping
                 save_due = cfg.checkpoint_every_steps and step % cfg.checkpoint_every_steps == 0
                 if (save_due or run.improved) and mid_epoch:
@@ -234,17 +200,7 @@ def train_rank(cfg: ZeroConfig, env: DistEnv, device: torch.device) -> dict:  # 
         # -------------------------------------------------------------- evaluate, stop early, checkpoint
         # (not again at a step a mid-epoch validation has just evaluated, nor when stopping right after it)
         if ((epoch + 1) % cfg.eval_every == 0 or epoch + 1 == num_epochs or run.stopping) and run.val_step != step:
-            # >>> DDP: each rank evaluates its shard with the wrapped module itself (DDP's forward would broadcast
-            # buffers from rank 0 on every call: a collective, which hangs when shards differ in batch count); the
-            # all-reduced sums are the single-process sums, so every rank gets the same numbers (and decisions)
-            # >>> ZERO: FSDP evaluates through its own forward (it gathers the parameters), the others DDP's way;
-            # then FSDP2's stage 2 frees what a forward without backward left gathered
-            loss_total, correct, count = evaluate(sharded.eval_model, val_loader, device, autocast, cfg.eval_mode)
-            sharded.reshard()
-            # <<< ZERO
-            loss_total, correct, count = all_sum(loss_total, correct, count, device=device)
-            # <<< DDP
-            val_loss, val_acc = (loss_total / count).item(), (correct / count).item()  # host sync, once per eval
+            val_loss, val_acc = validate()  # host sync, once per eval
             run.log_val(step, epoch, val_loss, val_acc, scheduler.get_last_lr()[0])  # and early stopping
         run.save(epoch, micro_step + 1, step, samples_seen)  # last.pt every epoch (best.pt), atomically
         if run.should_stop(step):  # early stopping, or every step done
@@ -253,16 +209,8 @@ def train_rank(cfg: ZeroConfig, env: DistEnv, device: torch.device) -> dict:  # 
     # ------------------------------------------------------------------ teardown
     restored = run.restore_best()  # --restore-best: best.pt's weights back into raw_model
     if restored:
-        # >>> DDP: as above
-        # >>> ZERO: as above; run.restore_best() loaded best.pt's full weights into every rank's shard
-        loss_total, correct, count = evaluate(sharded.eval_model, val_loader, device, autocast, cfg.eval_mode)
-        sharded.reshard()
-        # <<< ZERO
-        loss_total, correct, count = all_sum(loss_total, correct, count, device=device)
-        # <<< DDP
-        val_loss, val_acc = (loss_total / count).item(), (correct / count).item()
-    # >>> ZERO: what each rank holds now (parameters, gradients, optimizer state; gathered from every rank) next to
-    # the paper's formulas for this stage and for DDP: a table on the console, the numbers in summary.json
+        val_loss, val_acc = validate()
+    # >>> ZERO: the bytes each rank holds now (parameters, gradients, optimizer state) next to the paper's formulas
     table, memory = sharded.memory_report()
     run.print(table)
     return run.finish(epoch, step, samples_seen, val_loss, val_acc, restored=restored, **memory)  # summary.json

@@ -17,13 +17,11 @@ MUTANTS = [
         name="evaluation-per-rank-metrics",
         technique="evaluation",
         file="manual_train/loops/ddp.py",
-        old="            loss_total, correct, count = all_sum(loss_total, correct, count, device=device)\n"
-            "            # <<< DDP\n"
-            "            val_loss, val_acc = (loss_total / count).item(), (correct / count).item()  # host sync, once "
-            "per eval",
-        new="            # <<< DDP\n"
-            "            val_loss, val_acc = (loss_total / count).item(), (correct / count).item()  # host sync, once "
-            "per eval",
+        old="        loss_total, correct, count = all_sum(loss_total, correct, count, device=device)\n"
+            "        # <<< DDP\n"
+            "        return (loss_total / count).item(), (correct / count).item()",
+        new="        # <<< DDP\n"
+            "        return (loss_total / count).item(), (correct / count).item()",
         says="Each rank divides its own shard's sums (no all-reduce): rank 0 reports 1/N of the validation set, and "
              "early stopping decides on per-rank numbers, so ranks may stop at different epochs (and hang).",
         kill=DDP_KILL, env=DDP_ENV, demo=UNEVEN),
