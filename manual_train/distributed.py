@@ -261,7 +261,7 @@ class DDPConfig(Config):
         bucket_cap_mb (small buckets start sending sooner but cost more calls), gradient_as_bucket_view (.grad
         lives in its bucket: one copy less), static_graph (the same parameters every step: buckets planned once),
         find_unused_parameters (walk each step's graph for unused parameters: slower)."""
-        return dict(device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=self.bucket_cap_mb,
+        return dict(device_ids=device_ids(device), bucket_cap_mb=self.bucket_cap_mb,
                     gradient_as_bucket_view=self.gradient_as_bucket_view, static_graph=self.static_graph,
                     find_unused_parameters=self.find_unused_parameters)
 
@@ -288,6 +288,11 @@ class DDPConfig(Config):
                 raise UsageError("--nproc_per_node", f"{env.local_world_size} ranks on this node but only "
                                                      f"{torch.cuda.device_count()} CUDA device(s)",
                                  f"at most {torch.cuda.device_count()}, or --device cpu")
+
+
+def device_ids(device: torch.device) -> Optional[list]:
+    """DDP's device_ids: this rank's GPU, or None on the CPU."""
+    return [device.index] if device.type == "cuda" else None
 
 
 def sync_batchnorm(model: torch.nn.Module, cfg: DDPConfig) -> torch.nn.Module:

@@ -4,7 +4,6 @@
   Sharded ................ ZeRO stage 1 with ZeroRedundancyOptimizer inside DDP, and the base class of every
                            (impl, stage): the loop's calls (zero_grad, no_sync, clip_grad_norm, ...) as under DDP
   blocks(model) .......... the units FSDP wraps one by one before the root
-  device_ids(device) ..... DDP's device_ids
   same_batch_count ....... evaluation under FSDP: every rank calls forward equally often (SameBatchCount)
   MIXED_DTYPES ........... the compute dtype of --precision 16-mixed and bf16-mixed
 """
@@ -130,11 +129,6 @@ def blocks(model: nn.Module) -> list[tuple[nn.Module, str]]:
             parent = children[0][1]
             continue
         return [(parent, name) for name, _ in children]
-
-
-def device_ids(device: torch.device) -> Optional[list]:
-    """DDP's device_ids: this rank's GPU, or None on the CPU."""
-    return [device.index] if device.type == "cuda" else None
 
 
 # ---------------------------------------------------------------------- evaluation under FSDP

@@ -42,10 +42,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from manual_train.checkpoint import CHECKPOINT_FORMATS, check_checkpoint_format
 from manual_train.config import UsageError, arg
-from manual_train.distributed import DDPConfig
+from manual_train.distributed import DDPConfig, device_ids
 from manual_train.optim import dtensor_kwargs, keep_impl, sharded_scaler_kwargs
 from manual_train.precision import CastInputs
-from manual_train.sharding import MIXED_DTYPES, Sharded, blocks, check_plain_layout, device_ids, same_batch_count
+from manual_train.sharding import MIXED_DTYPES, Sharded, blocks, check_plain_layout, same_batch_count
 
 IMPLS = ("torch", "fairscale")
 STAGES = (1, 2, 3)

@@ -18,7 +18,8 @@ from fairscale.optim.grad_scaler import ShardedGradScaler
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from manual_train.config import UsageError
-from manual_train.sharding import MIXED_DTYPES, Sharded, blocks, device_ids, same_batch_count
+from manual_train.distributed import device_ids
+from manual_train.sharding import MIXED_DTYPES, Sharded, blocks, same_batch_count
 
 
 def check(stage: int, precision: str, on_cuda: bool, world_size: int) -> None:

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from manual_train.memory import per_rank_bytes, state_bytes_per_param, storage_bytes, zero_formula_bytes
-from manual_train.sharding import device_ids
+from manual_train.distributed import device_ids
 from manual_train.zero import CPU_CAPABLE, ZeroConfig, shard
 
 
