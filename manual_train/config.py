@@ -42,7 +42,7 @@ def arg(default, help: str, *, choices: Optional[Sequence] = None, min: Optional
                                                  min_exclusive=min_exclusive, max=max, metavar=metavar))
 
 
-DATASETS = ("digits", "mnist", "fashion-mnist", "cifar10", "synthetic", "reverse")
+DATASETS = ("digits", "mnist", "fashion-mnist", "cifar10", "synthetic", "reverse", "pydoc")
 MODELS = ("mlp", "cnn", "resnet18", "seq2seq", "gpt")
 CHECKPOINTING = ("none", "full", "selective")  # --activation-checkpointing (manual_train/models.py, docs/levers.md)
 COMPILE = ("none", "model", "blocks")  # --compile (models.compile_model, docs/levers.md)
@@ -88,8 +88,12 @@ class Config:
                                     "(validation gets a quarter as many)", min=1)
     synthetic_shape: str = arg("3,32,32", "C,H,W of --dataset synthetic images", metavar="C,H,W")
     synthetic_classes: int = arg(10, "number of classes for --dataset synthetic", min=2)
+    block_size: int = arg(64, "--dataset pydoc (Python's reference manual as bytes, --model gpt): the most tokens "
+                              "a sample holds, and the GPT's context length", min=1)
+    text_samples: int = arg(0, "--dataset pydoc: train on the first N samples of the text only (0: all of it)", min=0)
     # model
-    model: str = arg("cnn", "model to train (seq2seq and gpt only with --dataset reverse)", choices=MODELS)
+    model: str = arg("cnn", "model to train (seq2seq only with --dataset reverse; gpt with reverse or pydoc)",
+                     choices=MODELS)
     activation_checkpointing: str = arg("none", "recompute activations in backward instead of keeping them, per "
                                                 "block (gpt, resnet18): full, or selective (matmul and attention "
                                                 "outputs kept); less memory for more time", choices=CHECKPOINTING)
@@ -263,9 +267,13 @@ class Config:
         self.check_precision_choice()
         self.input_shape()  # parses --synthetic-shape
         check_path(self.data_root, "--data-root")
-        if self.model in ("seq2seq", "gpt") and self.dataset != "reverse":
-            raise UsageError("--model", f"{self.model} needs --dataset reverse, not {self.dataset}",
+        token_sets = {"seq2seq": ("reverse",), "gpt": ("reverse", "pydoc")}.get(self.model)
+        if token_sets and self.dataset not in token_sets:
+            raise UsageError("--model", f"{self.model} needs --dataset {' or '.join(token_sets)}, not {self.dataset}",
                              "mlp, cnn, resnet18")
+        if self.dataset == "pydoc" and self.model != "gpt":
+            raise UsageError("--model", f"--dataset pydoc is language modelling; {self.model} is not a language model",
+                             "gpt")
         if self.dataset == "reverse" and self.model not in ("seq2seq", "gpt"):
             raise UsageError("--model", f"--dataset reverse is a sequence task; {self.model} is an image model",
                              "seq2seq, gpt")

@@ -7,6 +7,8 @@ Datasets (all real code paths, none needs the network unless --download is given
   synthetic      random images of --synthetic-shape with learnable class offsets (benchmarks)
   reverse        digit sequences and their reversal (the seq2seq task for model parallelism; with --model gpt
                  the same task as decoder-only language modelling, manual_train/tokens.py)
+  pydoc          Python's reference manual (pydoc_data, shipped with CPython) as byte-level language modelling for
+                 --model gpt: samples of up to --block-size targets (manual_train/text.py)
 
 DataLoader tuning (docs/dataloader.md): `build_loader` exposes num_workers, pin_memory,
 persistent_workers and prefetch_factor, and seeds workers with `seed_worker` so a run
@@ -26,13 +28,14 @@ import random
 import struct
 import time
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, Subset, TensorDataset
 from torch.utils.data import default_collate
 
-from manual_train import tokens
+from manual_train import text, tokens
 from manual_train.config import Config, UsageError
 from manual_train.models import DataInfo, check_input_fits  # noqa: F401 (DataInfo re-exported)
 
@@ -242,6 +245,8 @@ def _datasets(cfg: Config) -> tuple[Dataset, Dataset, DataInfo]:
         train = SyntheticImages(cfg.synthetic_size, shape, cfg.synthetic_classes, seed=0)
         val = SyntheticImages(max(1, cfg.synthetic_size // 4), shape, cfg.synthetic_classes, seed=1)
         return train, val, DataInfo("synthetic", shape, cfg.synthetic_classes)
+    if cfg.dataset == "pydoc":  # real text, samples with different numbers of targets: manual_train/text.py
+        return text.pydoc_datasets(cfg.block_size, cfg.text_samples)
     if cfg.dataset == "reverse" and cfg.model == "gpt":  # the same task as one token row: manual_train/tokens.py
         return tokens.reverse_lm_datasets(cfg.synthetic_size)
     if cfg.dataset == "reverse":
@@ -454,6 +459,51 @@ def micro_batches_per_epoch(num_samples: int, batch_size: int) -> int:
 def steps_per_epoch(num_samples: int, batch_size: int, accumulate: int) -> int:
     """Optimizer steps per epoch: one per window of `accumulate` micro-batches, the last may be partial."""
     return -(-micro_batches_per_epoch(num_samples, batch_size) // accumulate)
+
+
+def target_counts(dataset: Dataset) -> Optional[torch.Tensor]:
+    """Each sample's number of targets, an (n,) int64 tensor, for a dataset whose samples differ (text's `targets`);
+    None where every sample has as many (a label, or L tokens)."""
+    return getattr(dataset, "targets", None) if isinstance(getattr(dataset, "targets", None), torch.Tensor) else None
+
+
+class Windows:
+    """The targets of each micro-batch and of its accumulation window, on every rank alike: token-exact weights.
+
+    A window's gradient must be the mean over every target of the window, on every rank, as one big batch computes
+    it: micro-batch i's mean loss weighs (its targets) / (the window's targets). Both counts are properties of the
+    sampled indices: every rank draws the same permutation (train_sampler's seed and epoch), so each rank counts
+    every rank's samples itself; no all-reduce, O(window) integer work per micro-step. Rank r's micro-batch k is
+    perm[k*M + r : (k+1)*M : N] (M = batch x N), the window w perm[w*A*M : (w+1)*A*M], as TrainSampler deals them
+    (pad=True: perm followed by its first samples again, up to a multiple of N).
+    Where every sample has L targets the counts are L x samples: the weights of window_samples, exactly."""
+
+    def __init__(self, dataset: Dataset, sampler: TrainSampler, cfg: Config):
+        self.counts = target_counts(dataset)  # None: every sample has per_sample targets
+        self.per_sample = torch.as_tensor(dataset[0][1]).numel() if self.counts is None else 0
+        self.sampler, self.accumulate, self.epoch = sampler, cfg.accumulate, None
+        self.micro_batch = cfg.batch_size * sampler.num_replicas  # every rank's micro-batches together
+        padded = sampler.total_size if sampler.pad else len(dataset)  # pad=True at N > 1 deals repeats too
+        self.num_samples = limit_train(padded, cfg, self.micro_batch)  # --limit-train-batches: the epoch's
+
+    def _targets(self, positions: range) -> int:
+        """The targets of the epoch's samples at these positions of its permutation (the first num_samples)."""
+        positions = range(positions.start, min(positions.stop, self.num_samples), positions.step)
+        if self.counts is None:
+            return len(positions) * self.per_sample
+        if self.epoch != self.sampler.epoch:  # the sampler's permutation of this epoch, once
+            g = torch.Generator().manual_seed(self.sampler.seed + self.sampler.epoch)
+            perm = torch.randperm(len(self.counts), generator=g)
+            perm = perm.repeat(-(-self.num_samples // len(perm)))  # (DistributedSampler's padding: its first again)
+            self.in_order, self.epoch = self.counts[perm], self.sampler.epoch
+        return int(self.in_order[positions.start:positions.stop:positions.step].sum())
+
+    def count(self, micro_step: int) -> tuple[int, int]:
+        """(this rank's targets in micro-batch `micro_step`, every rank's targets in its window)."""
+        m, n, first = self.micro_batch, self.sampler.num_replicas, micro_step // self.accumulate * self.accumulate
+        mine = self._targets(range(micro_step * m + self.sampler.rank, (micro_step + 1) * m, n))
+        window = self._targets(range(first * m, (first + self.accumulate) * m))
+        return mine, window
 
 
 def window_samples(num_samples: int, batch_size: int, accumulate: int, micro_step: int) -> int:

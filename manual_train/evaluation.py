@@ -5,8 +5,8 @@ comes: memory drops to what one forward needs. inference_mode goes further (no v
 no view tracking), but its tensors can never enter autograd later; no_grad is what Lightning uses
 inside fit, inference_mode what its trainer.validate/test use.
 
-The result is sums, not means: loss summed over every sample, correct predictions, and the
-sample count. A mean of per-batch means is wrong whenever the last batch is smaller; sums also
+The result is sums, not means: loss summed over every target, correct predictions, and the
+target count (labels; a text's tokens, its padding ignored). A mean of per-batch means is wrong whenever the last batch is smaller; sums also
 add up exactly across DDP ranks (the DDP loop all-reduces these three numbers).
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ from contextlib import nullcontext
 import torch
 import torch.nn.functional as F
 
-from manual_train.models import correct_count
+from manual_train.models import IGNORE, correct_count
 
 
 def evaluate(model, loader, device: torch.device, autocast=nullcontext, eval_mode: str = "no_grad"):
@@ -37,6 +37,6 @@ def evaluate(model, loader, device: torch.device, autocast=nullcontext, eval_mod
             logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
             loss_sum += F.cross_entropy(logits.flatten(0, -2), y.flatten(), reduction="sum")
             correct += correct_count(logits, y)
-            count += y.numel()
+            count += (y != IGNORE).sum()  # targets: a text's padded positions have none
     model.train(was_training)
     return loss_sum, correct, count

@@ -23,6 +23,7 @@ from manual_train.checkpoint import remove_stale_temp_files
 from manual_train.config import UsageError
 
 CSV_COLUMNS = ("step", "epoch", "split", "loss", "acc", "lr", "samples_per_s", "time_s")
+LM_COLUMNS = ("bpb", "ppl")  # a byte-level language model's (--dataset pydoc): the loss as bits per byte, perplexity
 SUMMARY_KEYS = ("script", "world_size", "device", "precision", "global_batch_size", "epochs_run",
                 "optimizer_steps", "samples_seen", "final_val_loss", "final_val_acc", "best_val_loss",
                 "best_val_acc", "best_epoch", "stopped_early", "skipped_steps", "wall_s", "samples_per_s",
@@ -53,9 +54,10 @@ class RunLog:
     """metrics.csv rows, console lines, optional TensorBoard scalars and summary.json, on rank 0."""
 
     def __init__(self, out_dir: Path, *, enabled: bool = True, tensorboard: bool = False,
-                 resume_step: Optional[int] = None, keep: bool = True):
-        """keep=False (--fast-dev-run): console lines only; no folder, no file."""
-        self.out_dir, self.enabled = Path(out_dir), enabled
+                 resume_step: Optional[int] = None, keep: bool = True, language_model: bool = False):
+        """keep=False (--fast-dev-run): console lines only; no folder, no file. language_model: every row also has
+        LM_COLUMNS (its loss is per byte)."""
+        self.out_dir, self.enabled, self.language_model = Path(out_dir), enabled, language_model
         self.tb = None
         self.writes = enabled and keep
         if not self.writes:
@@ -79,7 +81,7 @@ class RunLog:
                 raise UsageError("--out-dir", f"{out_dir} was just claimed by another run (nothing is overwritten)",
                                  "a new --out-dir") from None
             _claimed_here.append(self.out_dir)
-        self._csv = csv.DictWriter(self._file, fieldnames=CSV_COLUMNS)
+        self._csv = csv.DictWriter(self._file, fieldnames=CSV_COLUMNS + LM_COLUMNS * language_model)
         self._csv.writeheader()
         self._csv.writerows(kept)
         self._rows = csv.writer(self._file)
@@ -97,8 +99,8 @@ class RunLog:
         if not self.writes:
             return
         # a tuple in CSV_COLUMNS' order: DictWriter's dict and its key check cost ~15 us a row inside a training loop
-        self._rows.writerow((step, epoch + 1, split, f"{loss:.8g}", f"{acc:.6g}", f"{lr:.8g}", f"{samples_per_s:.2f}",
-                             f"{time_s:.3f}"))
+        row = (step, epoch + 1, split, f"{loss:.8g}", f"{acc:.6g}", f"{lr:.8g}", f"{samples_per_s:.2f}", f"{time_s:.3f}")
+        self._rows.writerow(row + tuple(f"{v:.8g}" for v in lm_numbers(loss).values()) * self.language_model)
         self._file.flush()
         if self.tb is not None:
             self.tb.add_scalar(f"{split}/loss", loss, step)
@@ -124,6 +126,11 @@ class RunLog:
         self._file.close()
         if self.tb is not None:
             self.tb.close()
+
+
+def lm_numbers(loss_per_byte: float) -> dict:
+    """A byte-level language model's loss (mean nats per byte) as bits per byte and perplexity (per byte)."""
+    return {"bpb": loss_per_byte / math.log(2), "ppl": math.exp(min(loss_per_byte, 700.0))}  # exp(700): ~1e304
 
 
 def run_summary(*, script: str, world_size: int, device, cfg, global_batch_size: int, epoch: int, step: int,

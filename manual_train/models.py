@@ -156,10 +156,10 @@ class CausalSelfAttention(nn.Module):
         self.drop = nn.Dropout(dropout)  # on the residual branch, as nanoGPT's resid_dropout
 
     def forward(self, x):
-        B, T, C = x.shape
-        q, k, v = (lin(x).view(B, T, -1, C // self.n_head).transpose(1, 2) for lin in (self.q, self.k, self.v))
+        head_size = x.shape[-1] // self.n_head  # (B, T, heads x head_size): this rank's heads under TP; B may be 0
+        q, k, v = (lin(x).unflatten(-1, (-1, head_size)).transpose(1, 2) for lin in (self.q, self.k, self.v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.drop(self.proj(y.transpose(1, 2).reshape(B, T, -1)))
+        return self.drop(self.proj(y.transpose(1, 2).flatten(2)))
 
 
 class Block(nn.Module):
@@ -344,9 +344,12 @@ def _build_model(name: str, info: DataInfo, dropout: float) -> nn.Module:
     raise ValueError(f"unknown model {name!r}")
 
 
+IGNORE = -100  # a target that is none (a text's padding): F.cross_entropy's ignore_index
+
+
 def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy over every prediction: (B, C) vs (B,) for images, (B, L, V) vs (B, L) for tokens."""
-    return F.cross_entropy(logits.flatten(0, -2), y.flatten())
+    """Mean cross-entropy over every target: (B, C) vs (B,) for images, (B, L, V) vs (B, L) for tokens (IGNORE: none)."""
+    return F.cross_entropy(logits.flatten(0, -2), y.flatten(), ignore_index=IGNORE)
 
 
 def correct_count(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

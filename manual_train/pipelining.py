@@ -8,8 +8,9 @@ one stage per rank, each batch cut into micro-batches that flow through the stag
                        forward and as long after its last backward: the bubble, (p-1)/(m+p-1) of the step.
                        --impl torch: torch.distributed.pipelining's PipelineStage with --pipeline-schedule gpipe,
                        1f1b or interleaved-1f1b (two stages per rank, which shortens the bubble)
-  exact micro-batches  each micro-batch's loss weighted by its share of the batch's targets; --impl torch pads a
-                       batch to a whole number of equal micro-batches, the padded rows' targets ignored (-100)
+  exact micro-batches  each micro-batch's loss is its sum over its targets / the batch's targets (rows differ in
+                       targets on text); --impl torch pads a batch to a whole number of equal micro-batches, the
+                       padded rows' targets ignored (-100)
   tied weights ....... the embedding (first stage) and the head (last) are one tensor: their gradients are summed
                        across the two ranks before the step (Megatron's embedding group), so both copies stay equal
   checkpoints ........ Pipeline.state_dict() and wrap_optimizer gather every stage's state: Run's checkpoint holds
@@ -29,9 +30,8 @@ import torch.nn.functional as F
 from manual_train.checkpoint import FullState
 from manual_train.config import UsageError, arg
 from manual_train.distributed import DDPConfig, DistEnv, read_env
-from manual_train.models import GPT, GPT_LAYERS, compile_forward, correct_count, loss_fn
+from manual_train.models import GPT, GPT_LAYERS, IGNORE, compile_forward, correct_count
 
-IGNORE = -100  # F.cross_entropy's ignore_index: the padded rows' targets (--impl torch)
 
 
 @dataclass
@@ -95,10 +95,11 @@ class Stage(nn.Module):
         return GPT.logits(self, x) if self.last else x
 
 
-def share(rows: int, batch_rows: int) -> float:
-    """A micro-batch's weight: its share of the batch's samples (each has the same number of targets), so the
-    micro-batches' weighted mean losses add up to the batch's mean loss. (1/m would over-weight a short one.)"""
-    return rows / batch_rows
+def share(logits, y, targets: int) -> torch.Tensor:
+    """A micro-batch's part of its batch's mean loss: the sum over its targets / the batch's `targets`, so the parts
+    add up to the batch's mean loss whatever the micro-batches' rows and targets (the mean of each / m would
+    over-weight a short one)."""
+    return F.cross_entropy(logits.flatten(0, -2), y.flatten(), ignore_index=IGNORE, reduction="sum") / targets
 
 
 class Pipeline(nn.Module):
@@ -128,13 +129,14 @@ class Pipeline(nn.Module):
         return f"{self.n_stages} stages ({how}), {self.m} micro-batches, this rank's: {self.stage_ids}"
 
     # ------------------------------------------------------------------ training: one batch
-    def step(self, x, y, weight: float, autocast):
-        """Forward and backward of every micro-batch of (x, y); gradients accumulate into .grad, scaled so that
-        they add up to `weight` x the batch's mean-loss gradient (the baseline's `(loss * weight).backward()`).
-        Returns (the batch's mean loss, correct predictions): the last stage's, zeros on the others."""
+    def step(self, x, y, weight: float, targets: int, autocast):
+        """Forward and backward of every micro-batch of (x, y), which holds `targets` targets; gradients accumulate
+        into .grad, scaled so that they add up to `weight` x the batch's mean-loss gradient (the baseline's
+        `(loss * weight).backward()`). Returns (the batch's mean loss, correct predictions): the last stage's, zeros
+        on the others."""
         if self.impl == "torch":
-            return self._torch_step(x, y, weight, autocast)
-        return gpipe_step(self, x, y, weight, autocast)
+            return self._torch_step(x, y, weight, targets, autocast)
+        return gpipe_step(self, x, y, weight, targets, autocast)
 
     def forward(self, x):
         """Evaluation: the pipeline's forward of x; every rank returns the last stage's logits (a broadcast of
@@ -191,14 +193,12 @@ class Pipeline(nn.Module):
         return self.schedules[key]
 
     def _torch_loss(self, logits, y):
-        # the sum over this micro-batch's real targets (padded rows: IGNORE) over the batch's real targets
-        loss = F.cross_entropy(logits.flatten(0, -2), y.flatten(), ignore_index=IGNORE, reduction="sum")
         self._correct += correct_count(logits.detach(), y)
-        return loss * self._weight / self._targets
+        return share(logits, y, self._targets) * self._weight  # the padded rows' targets are IGNORE: none
 
-    def _torch_step(self, x, y, weight, autocast):
+    def _torch_step(self, x, y, weight, targets, autocast):
         n = x.shape[0]
-        self._weight, self._targets = weight, y.numel()
+        self._weight, self._targets = weight, targets
         self._correct = torch.zeros((), device=self.device)
         losses: list = []
         inputs = [pad(x, self.m, 0)] if self.first else []  # the first stage's only
@@ -259,14 +259,14 @@ def micro_batches(x, y, m: int):
     return [(xc, yc) for xc, yc in zip(x.tensor_split(m), y.tensor_split(m)) if len(xc)]
 
 
-def gpipe_step(pipe: Pipeline, x, y, weight: float, autocast):
+def gpipe_step(pipe: Pipeline, x, y, weight: float, targets: int, autocast):
     """GPipe (Huang et al. 2019) on this rank's stage: forward every micro-batch, then backward them in reverse.
 
     With p stages, stage s receives micro-batch j at tick s + j: it idles s ticks before its first forward (the
     fill) and p - 1 - s ticks after its last (the drain starts at the last stage); the same again in backward.
     Every stage keeps all m micro-batches' activations until its backward: memory grows with m (1F1B bounds it).
     """
-    stage, rank, n = pipe.stages[0], pipe.env.rank, x.shape[0]
+    stage, rank = pipe.stages[0], pipe.env.rank
     inputs, outputs, sends = [], [], []
     loss_sum = torch.zeros((), device=pipe.device)
     correct = torch.zeros((), device=pipe.device)
@@ -274,11 +274,11 @@ def gpipe_step(pipe: Pipeline, x, y, weight: float, autocast):
         inp = xc if pipe.first else recv((len(xc), x.shape[1], pipe.width), pipe, rank - 1).requires_grad_()
         with autocast():  # forward and loss, as the baseline's
             out = stage(inp)
-            if pipe.last:  # the loss: this micro-batch's share of the batch's, times the window's weight
+            if pipe.last:  # the loss: this micro-batch's part of the batch's mean, times the window's weight
                 correct += correct_count(out.detach(), yc)
-                mean = loss_fn(out, yc)
-                loss_sum += mean.detach() * share(len(xc), n)
-                out = mean * (share(len(xc), n) * weight)
+                part = share(out, yc, targets)
+                loss_sum += part.detach()
+                out = part * weight
         if not pipe.last:
             sends.append(dist.isend(out.detach().to(pipe.dtype).contiguous(), rank + 1))
         inputs.append(inp)

@@ -48,7 +48,7 @@ from manual_train.checkpoint import (DCP_META, build_checkpoint, capture_rng, ch
 from manual_train.config import UsageError
 from manual_train.distributed import DistEnv
 from manual_train.early_stopping import EarlyStopping
-from manual_train.metrics import RunLog, banner, progress_bar, run_summary
+from manual_train.metrics import RunLog, banner, lm_numbers, progress_bar, run_summary
 from manual_train.runtime import TrainingDiverged, peak_mem_bytes
 
 LONE = DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, launched=False)
@@ -74,6 +74,7 @@ class Run:
             check_compatible(self.ckpt, cfg, global_batch_size, total_steps, script=script)
         # --checkpoint-format dcp (configs that have it): last.dcp/ of every rank's shards (_save_dcp)
         self.dcp = getattr(cfg, "checkpoint_format", "pt") == "dcp"
+        self.language_model = cfg.dataset == "pydoc"  # bits per byte and perplexity beside the loss (text.py)
         self.async_save = self.dcp and getattr(cfg, "async_checkpoint", False)
         self.async_group, self.pending, self.blocked_s = None, None, []
         self.early = EarlyStopping(cfg.monitor, cfg.early_stop_patience, cfg.early_stop_min_delta)
@@ -118,7 +119,7 @@ class Run:
         self.out_dir = Path(choice[0])
         self.cfg.out_dir = str(self.out_dir)
         self.log = RunLog(self.out_dir, enabled=env.master_process, tensorboard=self.cfg.tensorboard,
-                          resume_step=step if ckpt else None, keep=self.keep)
+                          resume_step=step if ckpt else None, keep=self.keep, language_model=self.language_model)
         train_ds, val_ds = self.datasets
         banner(self.log, script=self.script, device=self.device, cfg=self.cfg, raw_model=_module_of(model),
                train_ds=train_ds, val_ds=val_ds, global_batch_size=self.global_batch_size,
@@ -218,8 +219,13 @@ class Run:
         self.log.row(step=step, epoch=epoch, split="val", loss=val_loss, acc=val_acc, lr=lr, samples_per_s=0.0,
                      time_s=time.perf_counter() - self.t_start)
         self.log.print(f"epoch {epoch + 1}/{math.ceil(self.total_steps / self._steps_per_epoch())} step {step}: "
-                       f"val_loss {val_loss:.4f} val_acc {val_acc:.4f}" + (" (best)" if self.improved else ""))
+                       f"val_loss {val_loss:.4f} val_acc {val_acc:.4f}" + self._lm_text(val_loss)
+                       + (" (best)" if self.improved else ""))
         return self.improved
+
+    def _lm_text(self, val_loss: float) -> str:
+        """A language model's console numbers: its val loss as bits per byte and perplexity (nothing otherwise)."""
+        return "".join(f" val_{k} {v:.4f}" for k, v in lm_numbers(val_loss).items()) if self.language_model else ""
 
     def _steps_per_epoch(self) -> int:
         return -(-self.micro_steps_per_epoch // self.cfg.accumulate)
@@ -353,6 +359,9 @@ class Run:
             extra.setdefault("checkpoint_blocked_s", statistics.mean(self.blocked_s))
             extra.setdefault("checkpoint_blocked_s_per_save", [round(s, 6) for s in self.blocked_s])
         extra = {**self._steady_state(), **extra}
+        if self.language_model:  # final_val_bpb, final_val_ppl, best_val_bpb (per byte)
+            extra = {**{f"final_val_{k}": v for k, v in lm_numbers(val_loss).items()},
+                     "best_val_bpb": lm_numbers(self.best.get("val_loss", math.nan))["bpb"], **extra}
         if restored:
             self.log.print(f"restored best weights (epoch {self.early.best_epoch + 1}): "
                            f"val_loss {val_loss:.4f} val_acc {val_acc:.4f}")
@@ -364,7 +373,7 @@ class Run:
             data_wait_s=self.data_wait_s, peak_mem_bytes=peak_mem_bytes(self.device),
             checkpoint=self._checkpoint_path("last"), lr=self.lr, **extra)
         self.log.write_summary(summary)
-        self.log.print(f"done: val_acc {val_acc:.4f} val_loss {val_loss:.4f} after {step} steps in "
+        self.log.print(f"done: val_acc {val_acc:.4f} val_loss {val_loss:.4f}{self._lm_text(val_loss)} after {step} steps in "
                        f"{self.wall_s:.1f} s; " + (f"outputs in {self.out_dir}" if self.keep else "no outputs kept"))
         self.log.close()
         return summary

@@ -44,13 +44,23 @@ def test_16_x_4_equals_64_on_a_short_set(tmp_path):
     assert_cross_path_64(acc, big, "16 x 4 vs 64 (88 samples)")
 
 
+def divide_by_k(monkeypatch):
+    """The naive weighting: every micro-batch's window counted as K of it, so its weight is 1/K."""
+    count = single.data.Windows.count
+
+    def naive(self, micro_step):
+        mine, _ = count(self, micro_step)
+        return mine, mine * self.accumulate
+
+    monkeypatch.setattr(single.data.Windows, "count", naive)
+
+
 def test_dividing_by_k_in_the_partial_window_fails_the_same_check(tmp_path, monkeypatch):
     """The naive weighting (each micro-batch loss / K, as Lightning and the article do) gives the last,
     28-sample window a gradient 28/64 the size of the big batch's: the parity check catches it."""
     # two epochs: epoch 1's partial window then falls mid-schedule (the cosine LR is ~0 at the very end)
     big, _ = train_weights(tmp_path, "big", batch_size=64, epochs=2, precision="64-true")
-    naive_window = lambda n, b, k, i: k * min(b, n - i * b)  # noqa: E731 (weight = 1/K for every micro-batch)
-    monkeypatch.setattr(single.data, "window_samples", naive_window)
+    divide_by_k(monkeypatch)
     naive, _ = train_weights(tmp_path, "naive", batch_size=16, accumulate=4, epochs=2, precision="64-true")
     assert max_param_diff(big, naive) > 1e6 * PARITY_TOL_64  # measured 5.1e-3
 
@@ -62,7 +72,7 @@ def test_fp32_16_x_4_within_the_noise_floor_and_the_wrong_weighting_is_not(tmp_p
     acc, _ = train_weights(tmp_path, "acc", batch_size=16, accumulate=4, **flags)
     floor = fp32_noise_floor(lambda name: train_weights(tmp_path, name, batch_size=64, **flags)[0], big)
     assert_within_fp32_floor(max_param_diff(big, acc), floor, "16 x 4 vs 64")
-    monkeypatch.setattr(single.data, "window_samples", lambda n, b, k, i: k * min(b, n - i * b))
+    divide_by_k(monkeypatch)
     naive, _ = train_weights(tmp_path, "naive", batch_size=16, accumulate=4, **flags)
     with pytest.raises(AssertionError):
         assert_within_fp32_floor(max_param_diff(big, naive), floor, "÷K weighting vs 64")

@@ -32,6 +32,7 @@ from manual_train import pipelining
 from manual_train.bench import pipeline as bench_pipeline
 from manual_train.config import Config, UsageError
 from manual_train.loops import pipeline, single
+from manual_train.models import loss_fn
 
 M = 4
 PARITY = dict(model="gpt", dataset="reverse", optimizer="adamw", lr=3e-3, synthetic_size=203, batch_size=30,
@@ -65,7 +66,7 @@ def _scenario(name: str, world_size: int, rank: int, out: Path) -> dict:
         return _scenario_resume(out / name)
     real_share = pipelining.share
     if name.startswith("wrong"):  # every micro-batch's mean loss weighted 1/m: the short ones' samples count more
-        pipelining.share = lambda rows, batch_rows: 1 / M
+        pipelining.share = lambda logits, y, targets: loss_fn(logits, y) / M
     try:
         flags = FP32 if name.endswith("fp32") else PARITY
         cfg = make_cfg(out / name, pipeline.PipelineConfig, microbatches=M, **flags, **SCENARIOS[name])

@@ -47,7 +47,7 @@ def _train(out: Path, **flags) -> dict:
 
 
 def _fixed_head_count(self, x):
-    """The known-wrong view: a rank's C/tp columns cut into n_head heads of head_dim/tp (models.py counts -1)."""
+    """The known-wrong view: a rank's C/tp columns cut into n_head heads of head_dim/tp (models.py counts the heads)."""
     B, T, C = x.shape
     q, k, v = (lin(x).view(B, T, self.n_head, -1).transpose(1, 2) for lin in (self.q, self.k, self.v))
     y = F.scaled_dot_product_attention(q, k, v, is_causal=True)

@@ -48,11 +48,11 @@ def _stage_child(rank: int, stages: int, microbatches: tuple, steps: int, port: 
         torch.manual_seed(0)
         cfg = PipelineConfig(model="gpt", dataset="reverse", microbatches=m)
         pipe = Pipeline(build_model("gpt", info), cfg, env, torch.device("cpu"))
-        pipe.step(x, y, 1.0, nullcontext)  # warm-up
+        pipe.step(x, y, 1.0, y.numel(), nullcontext)  # warm-up
         dist.barrier()
         idle[0], t0 = 0.0, time.perf_counter()
         for _ in range(steps):
-            pipe.step(x, y, 1.0, nullcontext)
+            pipe.step(x, y, 1.0, y.numel(), nullcontext)
             t = time.perf_counter()
             dist.barrier()  # the step ends when the drain reaches stage 0: the later stages idle until then
             idle[0] += time.perf_counter() - t

@@ -68,6 +68,7 @@ def train_rank(cfg: HybridConfig, env: DistEnv, group_a: list, group_b: list) ->
     n_train = data.limit_train(len(sampler), cfg)  # --limit-train-batches (--fast-dev-run: 1): the epoch's samples
     global_batch_size = cfg.batch_size * cfg.accumulate * env.world_size  # HYBRID: what one optimizer step averages
     micro_steps_per_epoch = data.micro_batches_per_epoch(n_train, cfg.batch_size)
+    windows = data.Windows(train_ds, sampler, cfg)  # the targets of each micro-batch and window, every rank's
     steps_per_epoch = data.steps_per_epoch(n_train, cfg.batch_size, cfg.accumulate)
     total_steps = cfg.max_steps or cfg.epochs * steps_per_epoch
     num_epochs = math.ceil(total_steps / steps_per_epoch)
@@ -127,13 +128,14 @@ def train_rank(cfg: HybridConfig, env: DistEnv, group_a: list, group_b: list) ->
             window_end = (micro_step + 1) % cfg.accumulate == 0 or micro_step + 1 == micro_steps_per_epoch
             if window_start:
                 optimizer.zero_grad(set_to_none=True)  # gradients accumulate over the window's micro-batches
-            # Accumulation: weight each micro-batch's mean loss by its share of the window's samples, so the
-            # window's gradient is the mean over all its samples, as one big batch (also for the epoch's
-            # last, partial window, where dividing by K would shrink it; Lightning issue 19987).
+            # Accumulation: weight each micro-batch's mean loss by its share of the window's targets (labels, or
+            # tokens of text), so the window's gradient is the mean over all its targets, as one big batch (also for
+            # the epoch's last, partial window, where dividing by K would shrink it; Lightning issue 19987).
+            targets, window_targets = windows.count(micro_step)  # from the sampled indices (data.Windows)
             # >>> HYBRID: the window is the GLOBAL one, every rank's samples of it, and DDP divides the all-reduced sum
             # by N, so each rank's share is times N: the window's mean also when ranks' micro-batches differ in size
             # (an empty one, weight 0, joins the all-reduce with exact zeros). dp-mp (N = 1): the baseline's weight.
-            weight = x.shape[0] * env.world_size / data.window_samples(n_all, micro_batch, cfg.accumulate, micro_step)
+            weight = targets * env.world_size / window_targets
             # <<< HYBRID
 
             # >>> HYBRID: inside no_sync() backward only adds into each rank's own .grad; the window's last micro-step
@@ -150,7 +152,7 @@ def train_rank(cfg: HybridConfig, env: DistEnv, group_a: list, group_b: list) ->
             # step's graph outlives the step (summing `loss` itself would chain every step's graph).
             loss_sum += loss.detach() * weight if weight else 0  # HYBRID: an empty micro-batch's mean loss is 0/0
             correct_sum += correct_count(logits.detach(), y)
-            log_targets += y.numel()
+            log_targets += targets
             samples_seen += data.window_samples(n_all, micro_batch, 1, micro_step)  # HYBRID: every rank's, this step
 
             if window_end:

@@ -56,6 +56,7 @@ def train(cfg: MPConfig) -> dict:  # MP: the baseline's flags plus --devices, --
     n_train = data.limit_train(len(sampler), cfg)  # --limit-train-batches (--fast-dev-run: 1): the epoch's samples
     global_batch_size = cfg.batch_size * cfg.accumulate
     micro_steps_per_epoch = data.micro_batches_per_epoch(n_train, cfg.batch_size)
+    windows = data.Windows(train_ds, sampler, cfg)  # the targets of each micro-batch and window, every rank's
     steps_per_epoch = data.steps_per_epoch(n_train, cfg.batch_size, cfg.accumulate)
     total_steps = cfg.max_steps or cfg.epochs * steps_per_epoch
     num_epochs = math.ceil(total_steps / steps_per_epoch)
@@ -109,10 +110,11 @@ def train(cfg: MPConfig) -> dict:  # MP: the baseline's flags plus --devices, --
             window_end = (micro_step + 1) % cfg.accumulate == 0 or micro_step + 1 == micro_steps_per_epoch
             if window_start:
                 optimizer.zero_grad(set_to_none=True)  # gradients accumulate over the window's micro-batches
-            # Accumulation: weight each micro-batch's mean loss by its share of the window's samples, so the
-            # window's gradient is the mean over all its samples, as one big batch (also for the epoch's
-            # last, partial window, where dividing by K would shrink it; Lightning issue 19987).
-            weight = x.shape[0] / data.window_samples(n_train, cfg.batch_size, cfg.accumulate, micro_step)
+            # Accumulation: weight each micro-batch's mean loss by its share of the window's targets (labels, or
+            # tokens of text), so the window's gradient is the mean over all its targets, as one big batch (also for
+            # the epoch's last, partial window, where dividing by K would shrink it; Lightning issue 19987).
+            targets, window_targets = windows.count(micro_step)  # from the sampled indices (data.Windows)
+            weight = targets / window_targets
 
             with autocast():  # forward and loss only: backward runs in the dtypes forward chose
                 # >>> MP: the logits of every micro-batch, concatenated on B, and one loss over them: the full batch's
@@ -127,7 +129,7 @@ def train(cfg: MPConfig) -> dict:  # MP: the baseline's flags plus --devices, --
             # step's graph outlives the step (summing `loss` itself would chain every step's graph).
             loss_sum += loss.detach() * weight
             correct_sum += correct_count(logits.detach(), y)
-            log_targets += y.numel()
+            log_targets += targets
             samples_seen += x.shape[0]
 
             if window_end:

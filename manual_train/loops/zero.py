@@ -67,6 +67,7 @@ def train_rank(cfg: ZeroConfig, env: DistEnv, device: torch.device) -> dict:  # 
     n_train = data.limit_train(len(sampler), cfg)  # --limit-train-batches (--fast-dev-run: 1): the epoch's samples
     global_batch_size = cfg.batch_size * cfg.accumulate * env.world_size  # DDP: what one optimizer step averages
     micro_steps_per_epoch = data.micro_batches_per_epoch(n_train, cfg.batch_size)
+    windows = data.Windows(train_ds, sampler, cfg)  # the targets of each micro-batch and window, every rank's
     steps_per_epoch = data.steps_per_epoch(n_train, cfg.batch_size, cfg.accumulate)
     total_steps = cfg.max_steps or cfg.epochs * steps_per_epoch
     num_epochs = math.ceil(total_steps / steps_per_epoch)
@@ -134,12 +135,13 @@ def train_rank(cfg: ZeroConfig, env: DistEnv, device: torch.device) -> dict:  # 
             window_end = (micro_step + 1) % cfg.accumulate == 0 or micro_step + 1 == micro_steps_per_epoch
             if window_start:
                 sharded.zero_grad()  # ZERO: optimizer.zero_grad, but ShardedDDP zeroes its reduce buckets in place
-            # Accumulation: weight each micro-batch's mean loss by its share of the window's samples, so the
-            # window's gradient is the mean over all its samples, as one big batch (also for the epoch's
-            # last, partial window, where dividing by K would shrink it; Lightning issue 19987).
-            # >>> DDP: the share of the GLOBAL window (every rank's samples), times N because DDP averages over ranks;
+            # Accumulation: weight each micro-batch's mean loss by its share of the window's targets (labels, or
+            # tokens of text), so the window's gradient is the mean over all its targets, as one big batch (also for
+            # the epoch's last, partial window, where dividing by K would shrink it; Lightning issue 19987).
+            targets, window_targets = windows.count(micro_step)  # from the sampled indices (data.Windows)
+            # >>> DDP: the share of the GLOBAL window (every rank's targets), times N because DDP averages over ranks;
             # an empty micro-batch (weight 0) joins the all-reduce with exact zeros (docs/ddp.md, "The sampler")
-            weight = x.shape[0] * env.world_size / data.window_samples(n_all, micro_batch, cfg.accumulate, micro_step)
+            weight = targets * env.world_size / window_targets
             # <<< DDP
 
             # >>> DDP: no_sync(): backward only adds into this rank's .grad; the window's last micro-step all-reduces
@@ -155,7 +157,7 @@ def train_rank(cfg: ZeroConfig, env: DistEnv, device: torch.device) -> dict:  # 
             # step's graph outlives the step (summing `loss` itself would chain every step's graph).
             loss_sum += loss.detach() * weight if weight else 0  # DDP: an empty micro-batch's mean loss is NaN (0/0)
             correct_sum += correct_count(logits.detach(), y)
-            log_targets += y.numel()
+            log_targets += targets
             samples_seen += data.window_samples(n_all, micro_batch, 1, micro_step)  # DDP: every rank's, this micro-step
 
             if window_end:

@@ -1,15 +1,20 @@
-"""Gradient accumulation (manual_train/loops/single.py's window, manual_train/data.py's window arithmetic)."""
+"""Gradient accumulation (manual_train/loops/single.py's window, manual_train/data.py's window arithmetic: Windows
+counts every target of a window, a text's tokens included)."""
 from mutants import Mutant
 
 KILL = ("tests/test_accumulation.py::test_16_x_4_equals_64_on_a_short_set",)
 DEMO = ("single", 0, "--batch-size", "16", "--accumulate", "4", "--epochs", "2")
+TEXT_KILL = ("tests/test_text.py::test_every_loop_trains_single_pys_weights_on_text[ddp_acc]",)
+TEXT_ENV = {"JOB_SCENARIOS": "ddp_acc"}
+TEXT_DEMO = ("ddp", 2, "--model", "gpt", "--dataset", "pydoc", "--text-samples", "512", "--batch-size", "8",
+             "--accumulate", "4", "--epochs", "2", "--optimizer", "adamw", "--lr", "3e-3")
 
 MUTANTS = [
     Mutant(
         name="accumulation-divide-by-k",
         technique="accumulation",
         file="manual_train/loops/single.py",
-        old="            weight = x.shape[0] / data.window_samples(n_train, cfg.batch_size, cfg.accumulate, micro_step)",
+        old="            weight = targets / window_targets",
         new="            weight = 1 / cfg.accumulate  # loss / K, as the articles write it",
         says="Each micro-batch's loss divided by K, also in the epoch's last, partial window: that window's gradient "
              "shrinks to its share of a full one, and short micro-batches weigh as much as full ones.",
@@ -19,7 +24,7 @@ MUTANTS = [
         name="accumulation-mean-of-micro-means",
         technique="accumulation",
         file="manual_train/loops/single.py",
-        old="            weight = x.shape[0] / data.window_samples(n_train, cfg.batch_size, cfg.accumulate, micro_step)",
+        old="            weight = targets / window_targets",
         new="            weight = 1 / min(cfg.accumulate, micro_steps_per_epoch - micro_step // cfg.accumulate * "
             "cfg.accumulate)",
         says="The window's loss as the mean of its micro-batches' means: a short last micro-batch (12 samples) "
@@ -42,4 +47,23 @@ MUTANTS = [
         says="optimizer.step() after every micro-batch: K times the steps, each on a quarter of the gradient.",
         kill=("tests/test_accumulation.py::test_scheduler_and_step_counter_advance_once_per_window", *KILL),
         demo=DEMO),
+    Mutant(
+        name="accumulation-token-mean-per-micro-batch",
+        technique="accumulation",
+        file="manual_train/data.py",
+        old="        window = self._targets(range(first * m, (first + self.accumulate) * m))",
+        new="        window = max(mine, 1) * self.accumulate * n  # each micro-batch's own token mean / K",
+        says="On text, each micro-batch's loss averaged over its own tokens and divided by K: a micro-batch of short "
+             "samples weighs as much as one of full ones, so the window's gradient is not its tokens' mean.",
+        report="huggingface/transformers PR 34191 (the 2024 gradient-accumulation loss fix)",
+        kill=TEXT_KILL, env=TEXT_ENV, demo=TEXT_DEMO),
+    Mutant(
+        name="accumulation-tokens-weighted-by-samples",
+        technique="accumulation",
+        file="manual_train/data.py",
+        old="        self.counts = target_counts(dataset)  # None: every sample has per_sample targets",
+        new="        self.counts = None  # every sample weighs as many targets",
+        says="On text, micro-batches weighted by their samples, as if every sample had block-size targets: a "
+             "document's short last chunk counts as a full one.",
+        kill=TEXT_KILL, env=TEXT_ENV, demo=TEXT_DEMO),
 ]

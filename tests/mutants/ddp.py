@@ -11,8 +11,7 @@ from mutants import Mutant
 FILE = "manual_train/loops/ddp.py"
 KILL = ("tests/test_ddp_parity.py::test_uneven_windows_on_two_ranks_equal_one_process",)
 ENV = {"JOB_SCENARIOS": "parity_odd"}
-WEIGHT = ("            weight = x.shape[0] * env.world_size / data.window_samples(n_all, micro_batch, cfg.accumulate, "
-          "micro_step)")
+WEIGHT = "            weight = targets * env.world_size / window_targets"
 UNEVEN = ("ddp", 3, "--dataset", "synthetic", "--synthetic-size", "77", "--batch-size", "5", "--accumulate", "2",
           "--epochs", "4")
 DIGITS = ("ddp", 2, "--epochs", "2", "--batch-size", "16")
@@ -21,20 +20,21 @@ MUTANTS = [
     Mutant(
         name="ddp-rank-window",
         technique="ddp",
-        file=FILE,
-        old=WEIGHT,
-        new="            weight = x.shape[0] / data.window_samples(n_train, cfg.batch_size, cfg.accumulate, "
-            "micro_step)",
-        says="The single-device loop's weight line kept under DDP: each rank weights by its OWN window and DDP "
-             "averages the ranks' means, a mean of means wherever ranks' last windows hold different numbers of "
-             "samples (7 and 6 of 13: the 6 weigh as much as the 7).",
+        file="manual_train/data.py",
+        old="        window = self._targets(range(first * m, (first + self.accumulate) * m))",
+        new="        window = n * max(1, self._targets(range(first * m + self.sampler.rank, (first + self.accumulate) * m, "
+            "n)))",
+        says="Each rank weights by its OWN window and DDP averages the ranks' means, a mean of means wherever ranks' "
+             "windows hold different numbers of targets: the last windows' samples (7 and 6 of 13: the 6 weigh as "
+             "much as the 7), and on text every window's tokens.",
+        report="pytorch/torchtitan #1842 (local instead of global valid tokens)",
         kill=KILL, env=ENV, demo=UNEVEN),
     Mutant(
         name="ddp-divide-by-n-twice",
         technique="ddp",
         file=FILE,
         old=WEIGHT,
-        new="            weight = x.shape[0] / data.window_samples(n_all, micro_batch, cfg.accumulate, micro_step)",
+        new="            weight = targets / window_targets",
         says="The loss divided by the global window's samples, forgetting that DDP's all-reduce averages (divides "
              "by N) too: every gradient is N times too small, as if the learning rate were lr / N.",
         kill=KILL, env=ENV, demo=DIGITS),

@@ -26,8 +26,8 @@ MUTANTS = [
         name="hybrid-weight-forgets-ddp-average",
         technique="hybrid",
         file="manual_train/loops/hybrid.py",
-        old="            weight = x.shape[0] * env.world_size / data.window_samples(",
-        new="            weight = x.shape[0] / data.window_samples(",
+        old="            weight = targets * env.world_size / window_targets",
+        new="            weight = targets / window_targets",
         says="Each rank's micro-batch weighted by its share of the global window, without the x N that undoes DDP's "
              "average: every step's gradient is 1/N of the window's mean (dp-mp, N = 1, cannot tell).",
         kill=(UNEVEN,), env=UNEVEN_ENV, demo=DEMO_DDP),

@@ -19,9 +19,9 @@ MUTANTS = [
         name="tensor-parallel-fixed-head-count",
         technique="tensor-parallel",
         file="manual_train/models.py",
-        old="        q, k, v = (lin(x).view(B, T, -1, C // self.n_head).transpose(1, 2) for lin in (self.q, self.k, "
+        old="        q, k, v = (lin(x).unflatten(-1, (-1, head_size)).transpose(1, 2) for lin in (self.q, self.k, self.v))",
+        new="        q, k, v = (lin(x).unflatten(-1, (self.n_head, -1)).transpose(1, 2) for lin in (self.q, self.k, "
             "self.v))",
-        new="        q, k, v = (lin(x).view(B, T, self.n_head, -1).transpose(1, 2) for lin in (self.q, self.k, self.v))",
         says="Attention views q, k, v as a fixed n_head heads: on a TP rank, which holds n_head/tp heads' columns, "
              "that cuts them into n_head heads of head_dim/tp; it runs, and attends over the wrong groups of "
              "features (one process is unchanged).",
