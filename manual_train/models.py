@@ -194,6 +194,12 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(n_embd)
         self.head = nn.Linear(n_embd, vocab, bias=False)
         self.head.weight = self.tok.weight
+        # GPT-2's embedding scale: nn.Embedding draws N(0, 1), and a tied head of that size makes the untrained
+        # logits huge (a first loss of 20-30 nats on 257 bytes, not ln 257 = 5.5). Scaling in place keeps the RNG
+        # stream, so every other parameter gets the values it had before.
+        with torch.no_grad():
+            self.tok.weight.mul_(0.02)
+            self.pos.weight.mul_(0.02)
 
     def forward(self, idx):  # (B, T) token ids -> (B, T, V) logits (T = n_predict when set)
         x = self.embed(idx)

@@ -176,6 +176,47 @@ def test_speedups_entry_is_registered_with_a_short_sane_config():
     assert 0 < step_s < 1.0
 
 
+def test_compile_pydoc_entry_counts_real_targets_and_builds_rows(tmp_path, monkeypatch, one_thread):
+    """compile_pydoc (manual_train/bench/levers.py): registered; its child (compile_speed's, run here in this process
+    and eager only: compiling takes tens of seconds) trains on the loop's first micro-batches of --dataset pydoc and
+    counts their real targets, padding excluded, as an independent count over the sampler's indices does; the rows
+    are tokens/s = those targets per step / seconds per step, and their ratios to eager."""
+    from manual_train import data
+    from manual_train.bench import cpu, levers
+    from manual_train.models import IGNORE
+
+    assert cpu.ENTRIES["compile_pydoc"][0] is levers.compile_pydoc
+
+    class EagerOnlyBench(harness.Bench):
+        def child(self, fn, *, timeout_s=600, **kwargs):
+            with monkeypatch.context() as m:
+                m.setattr(levers, "COMPILE", ("none",))
+                result = fn(**kwargs)
+            for mode in ("model", "blocks"):  # the compiled sides: eager's numbers (the arithmetic is checked)
+                result["step_s"][mode], result["first_step_s"][mode] = result["step_s"]["none"], 0.5
+            return result
+
+    bench = EagerOnlyBench(suite="cpu", quick=True, threads=1, log_dir=tmp_path, repeats_override=1,
+                           entry="compile_pydoc")
+    outcome = levers.compile_pydoc(bench)
+    raw, batch = outcome.raw, 32
+    train_ds, _, _ = data.build_datasets(single_config("--model", "gpt", "--dataset", "pydoc"))
+    sampler = data.train_sampler(train_ds, 0)
+    sampler.set_epoch(0)
+    order = list(sampler)
+    expected = [int((train_ds.y[order[k * batch:(k + 1) * batch]] != IGNORE).sum())
+                for k in range(levers.PYDOC_BATCHES)]
+    assert raw["targets"] == expected and min(expected) <= raw["targets_per_step"] <= batch * 64
+    assert raw["epoch_targets_per_sample"] == pytest.approx(train_ds.targets.double().mean().item())
+    ratios = [r for r in outcome.rows if r.kind == "ratio"]
+    assert [r.variant for r in ratios] == ["--compile model", "--compile blocks"]
+    assert all(r.better == "higher" and r.values == [1.0] for r in ratios)
+    rates = [r for r in outcome.rows if r.unit == "tok/s"]
+    assert [r.variant for r in rates] == ["eager", "--compile model", "--compile blocks"]
+    assert rates[0].values == pytest.approx([raw["targets_per_step"] / t for t in raw["step_s"]["none"]])
+    assert all(math.isfinite(v) and v > 0 for r in outcome.rows for v in r.values)
+
+
 def test_interleave_alternates_and_drops_warmup():
     calls = []
 

@@ -22,7 +22,7 @@ from manual_train.bench.checkpoint_io import checkpoint_io_entry
 from manual_train.bench.ddp_knobs import ddp_knobs
 from manual_train.bench.harness import (Bench, Goal, Outcome, StepClock, interleave, median, mib, ratio_row,
                                         single_config, train_single, value_row)
-from manual_train.bench.levers import compile_speed, levers
+from manual_train.bench.levers import compile_pydoc, compile_speed, levers
 from manual_train.bench.speedups import speedups_vs_naive
 from manual_train.bench.tensor_parallel import tensor_parallel_entry
 
@@ -663,6 +663,8 @@ ENTRIES = {
     "levers": (levers, "optimizer step time per --optimizer-impl vs for-loop (and deviation); peak live tensor "
                        "bytes and step time per --activation-checkpointing vs none"),
     "compile": (compile_speed, "steady samples/s of the gpt: eager vs --compile model vs blocks, and compile time"),
+    "compile_pydoc": (compile_pydoc, "steady training tokens/s of the gpt on --dataset pydoc (real targets): eager vs "
+                                     "--compile model vs blocks, and compile time"),
     "pipeline_bubble": (pipeline_bubble, "GPipe idle fraction per stage vs (p-1)/(m+p-1), m = 1, 2, 4, 8"),
     "tensor_parallel": (tensor_parallel_entry, "TP and 2-D: bytes held per rank and sent per step vs the formulas"),
     "checkpoint_io": (checkpoint_io_entry, "seconds a save blocks the loop: pt vs dcp, sync vs --async-checkpoint"),

@@ -6,6 +6,7 @@
     levers(bench)                                the CPU suite's entry (manual_train/bench/cpu.py registers it)
     compile_speed(bench)                         --compile none/model/blocks on --model gpt: steady samples/s and
                                                  compile time, side by side in one process (its own entry: slow)
+    compile_pydoc(bench)                         the same on --dataset pydoc (real text): steady training tokens/s
 
 Memory is counted in tensor bytes, not the process's RSS: glibc keeps freed memory, so RSS hardly moves when
 checkpointing frees activations. LiveTensorBytes sees every tensor an operator returns (forward, backward and
@@ -204,14 +205,18 @@ def _train_step(model, optimizer, x, y) -> None:
     optimizer.step()
 
 
-def _compile_child(batch: int, steps: int, repeats: int) -> dict:
-    """--model gpt --dataset reverse built as the loops build it (build_model_from, build_optimizer's fused AdamW)
-    under each --compile mode, in one process: the first step's seconds (tracing and compiling forward and
-    backward) and seconds per step after it, the modes interleaved. Inductor's on-disk caches are off, so each
-    mode compiles from scratch, as a first run on a new machine does (blocks' graphs are new code to dynamo: the
-    model's graph inlined Block.forward)."""
+def _compile_child(batch: int, steps: int, repeats: int, data_argv: tuple = (), batches: int = 1) -> dict:
+    """--model gpt built as the loops build it (build_model_from, build_optimizer's fused AdamW) under each --compile
+    mode, in one process: the first step's seconds (tracing and compiling forward and backward) and seconds per step
+    after it, the modes interleaved. Inductor's on-disk caches are off, so each mode compiles from scratch, as a first
+    run on a new machine does (blocks' graphs are new code to dynamo: the model's graph inlined Block.forward).
+    The steps cycle through the first `batches` micro-batches of the loop's own loader (train_sampler's epoch-0
+    order; `steps` a multiple of `batches`, so every timing sees each alike). data_argv: the dataset's flags
+    (default: --dataset reverse, 4 batches of samples). targets_per_step: those micro-batches' mean real targets,
+    counted by data.Windows, the count the loops weight and log with (text: padded targets excluded)."""
+    import itertools
+
     import torch._inductor.config
-    from torch.utils.data import default_collate
 
     from manual_train import data
     from manual_train.bench.harness import interleave, seconds_per_step
@@ -220,41 +225,96 @@ def _compile_child(batch: int, steps: int, repeats: int) -> dict:
     from manual_train.optim import build_optimizer
 
     torch._inductor.config.force_disable_caches = True
+    cpu = torch.device("cpu")
+    data_argv = data_argv or ("--dataset", "reverse", "--synthetic-size", str(4 * batch))
+    flags = ["--model", "gpt", *data_argv, "--optimizer", "adamw", "--batch-size", str(batch)]
+    cfg = parse_config(Config, flags)
+    train_ds, _, info = data.build_datasets(cfg)
+    sampler = data.train_sampler(train_ds, cfg.seed)
+    sampler.set_epoch(0)
+    loader = data.build_loader(train_ds, cfg, cpu, batch_size=batch, sampler=sampler)
+    pairs = list(itertools.islice(loader, batches))
+    windows = data.Windows(train_ds, sampler, cfg)
+    targets = [windows.count(k)[0] for k in range(batches)]
+    counts = data.target_counts(train_ds)
     measure, first_s = {}, {}
     for mode in COMPILE:
-        cfg = parse_config(Config, ["--model", "gpt", "--dataset", "reverse", "--compile", mode, "--optimizer",
-                                    "adamw", "--synthetic-size", str(4 * batch)])
-        train_ds, _, info = data.build_datasets(cfg)
-        x, y = default_collate([train_ds[i] for i in range(batch)])
+        cfg = parse_config(Config, [*flags, "--compile", mode])
         torch.manual_seed(0)
         model = build_model_from(cfg, info)
-        step = functools.partial(_train_step, model, build_optimizer(cfg, model.parameters(), 1e-3), x, y)
+        optimizer = build_optimizer(cfg, model.parameters(), 1e-3)
+        step = functools.partial(_cycle_step, model, optimizer, itertools.cycle(pairs))
         start = time.perf_counter()
         step()
         first_s[mode] = time.perf_counter() - start
-        measure[mode] = functools.partial(seconds_per_step, step, steps, torch.device("cpu"))
-    return {"step_s": interleave(measure, repeats), "first_step_s": first_s}
+        measure[mode] = functools.partial(seconds_per_step, step, steps, cpu)
+    return {"step_s": interleave(measure, repeats), "first_step_s": first_s,
+            "targets_per_step": statistics.mean(targets), "targets": targets,
+            "epoch_targets_per_sample": (counts.double().mean().item() if counts is not None
+                                         else windows.per_sample)}
+
+
+def _cycle_step(model, optimizer, batches) -> None:
+    _train_step(model, optimizer, *next(batches))
+
+
+def _compile_rows(entry: str, raw: dict, rate: dict, what: str, goals: dict) -> list:
+    """Per --compile mode: its steady rate against eager's (paired by repeat; higher is better), and its compile
+    time, the first step's excess over a steady step."""
+    from manual_train.bench.harness import Goal, ratio_row, value_row
+
+    rows = []
+    for mode in COMPILE[1:]:
+        rows.append(ratio_row(entry, "eager", f"--compile {mode}", what, rate["none"], rate[mode], better="higher",
+                              goal=Goal(">=", goals[mode]) if mode in goals else None))
+        steady = statistics.median(raw["step_s"][mode])
+        rows.append(value_row(entry, "-", f"--compile {mode}", "compile time: the first step's excess over a "
+                              "steady step", [raw["first_step_s"][mode] - steady], unit="s"))
+    return rows
 
 
 def compile_speed(bench):
     """Rows: steady samples/s of --compile model and blocks against eager (goal for blocks: 1.55x),
     and the compile time: the first step's excess over a steady one."""
-    from manual_train.bench.harness import Goal, Outcome, ratio_row, value_row
+    from manual_train.bench.harness import Outcome
 
     batch = 32
     raw = bench.child(_compile_child, batch=batch, steps=bench.pick(10, 40), repeats=bench.repeats(3, 5),
                       timeout_s=1200)
     rate = {mode: [batch / t for t in raw["step_s"][mode]] for mode in COMPILE}
     what = f"steady samples/s, --model gpt --dataset reverse, batch {batch}"
-    rows, notes = [], []
-    for mode in COMPILE[1:]:
-        rows.append(ratio_row(bench.entry, "eager", f"--compile {mode}", what, rate["none"], rate[mode],
-                              goal=Goal(">=", COMPILE_BLOCKS_GOAL) if mode == "blocks" else None))
-        steady = statistics.median(raw["step_s"][mode])
-        rows.append(value_row(bench.entry, "-", f"--compile {mode}", "compile time: the first step's excess over a "
-                              "steady step", [raw["first_step_s"][mode] - steady], unit="s"))
-    notes.append("steady samples/s: " + ", ".join(f"{mode} {statistics.median(rate[mode]):.0f}"
-                                                   for mode in COMPILE))
-    notes.append(f"Goal: --compile blocks {COMPILE_BLOCKS_GOAL}x eager's samples/s, set when the flag was added; "
-                 "--compile model is reported without a goal.")
+    rows = _compile_rows(bench.entry, raw, rate, what, {"blocks": COMPILE_BLOCKS_GOAL})
+    notes = ["steady samples/s: " + ", ".join(f"{mode} {statistics.median(rate[mode]):.0f}" for mode in COMPILE),
+             f"Goal: --compile blocks {COMPILE_BLOCKS_GOAL}x eager's samples/s, set when the flag was added; "
+             "--compile model is reported without a goal."]
+    return Outcome(rows, raw, notes)
+
+
+# ---------------------------------------------------------------------- --compile on real text (--dataset pydoc)
+PYDOC_BATCHES = 4  # micro-batches the timed steps cycle through (128 samples of the epoch's order)
+
+
+def compile_pydoc(bench):
+    """Rows: steady training tokens/s of the GPT on --dataset pydoc under --compile model and blocks against eager,
+    each mode's compile time, and the absolute tokens/s of all three. Tokens are real targets (a document's short
+    last chunk pads its targets with -100, which the loss ignores and which are not counted), per data.Windows."""
+    from manual_train.bench.harness import Outcome, value_row
+
+    batch = 32
+    raw = bench.child(_compile_child, batch=batch, steps=PYDOC_BATCHES * bench.pick(3, 8),
+                      repeats=bench.repeats(3, 5), data_argv=("--dataset", "pydoc"), batches=PYDOC_BATCHES,
+                      timeout_s=1200)
+    tokens = raw["targets_per_step"]
+    rate = {mode: [tokens / t for t in raw["step_s"][mode]] for mode in COMPILE}
+    what = f"steady training tokens/s (real targets), --model gpt --dataset pydoc, batch {batch} x 64"
+    rows = _compile_rows(bench.entry, raw, rate, what, {})
+    rows += [value_row(bench.entry, "-", "eager" if mode == "none" else f"--compile {mode}", what, rate[mode],
+                       unit="tok/s", better="higher") for mode in COMPILE]
+    notes = ["steady tokens/s: " + ", ".join(f"{mode} {statistics.median(rate[mode]):,.0f}" for mode in COMPILE)
+             + "; steady samples/s: " + ", ".join(f"{mode} {statistics.median(rate[mode]) * batch / tokens:.0f}"
+                                                    for mode in COMPILE),
+             f"Tokens: the real targets of the {PYDOC_BATCHES} micro-batches the steps cycle through (the loop's "
+             f"first of epoch 0, counted by data.Windows as loops.single counts them): {tokens:.1f} per step of "
+             f"{batch * 64} positions; the epoch's mean is {raw['epoch_targets_per_sample']:.2f} per sample. Padded "
+             "positions cost the same compute, so tokens/s = real targets per step / seconds per step."]
     return Outcome(rows, raw, notes)
