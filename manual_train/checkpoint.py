@@ -31,7 +31,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from manual_train.config import Config, UsageError
+from manual_train.config import Config, UsageError, check_path
 
 REQUIRED_KEYS = ("model", "optimizer", "scheduler", "scaler", "epoch", "step", "rng", "early_stopping",
                  "config", "world_size")
@@ -110,6 +110,21 @@ def _process_exists(pid: int) -> bool:
     except PermissionError:
         pass  # it exists, owned by another user
     return True
+
+
+def check_checkpoint_arg(path: Optional[str], flag: str = "--checkpoint") -> None:
+    """A tool's checkpoint argument (evaluate, generate): given, a path the OS can take, a file or a dcp folder."""
+    if path is None:
+        raise UsageError(flag, "is required", "a last.pt or best.pt path")
+    check_path(path, flag)
+    if not (Path(path).is_file() or Path(path).is_dir()):  # a dcp checkpoint is a folder
+        raise UsageError(flag, f"no checkpoint file at {path}")
+
+
+def saved_config(ckpt: dict) -> Config:
+    """The Config a checkpoint was written with (fields this version does not know are left out)."""
+    saved = ckpt["config"] if isinstance(ckpt["config"], dict) else {}
+    return Config(**{f.name: saved[f.name] for f in dataclasses.fields(Config) if f.name in saved})
 
 
 def load_checkpoint(path: Path, flag: str = "--resume", full: bool = True) -> dict:

@@ -13,7 +13,6 @@ r, r+N, ... (no padding, no repeats) and all_sum adds the sums.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import sys
@@ -23,7 +22,7 @@ from typing import Optional, Sequence
 
 
 from manual_train import data
-from manual_train.checkpoint import load_checkpoint
+from manual_train.checkpoint import check_checkpoint_arg, load_checkpoint, saved_config
 from manual_train.config import PRECISIONS, Config, arg, check_device_name, check_path, parse_config
 from manual_train.distributed import all_sum, pick_device, read_env, setup, teardown
 from manual_train.errors import UsageError
@@ -55,11 +54,7 @@ class EvalArgs:
     json: bool = arg(False, "print the result as one JSON object")
 
     def validate(self) -> None:
-        if self.checkpoint is None:
-            raise UsageError("--checkpoint", "is required", "a last.pt or best.pt path")
-        check_path(self.checkpoint, "--checkpoint")
-        if not (Path(self.checkpoint).is_file() or Path(self.checkpoint).is_dir()):  # a dcp checkpoint is a folder
-            raise UsageError("--checkpoint", f"no checkpoint file at {self.checkpoint}")
+        check_checkpoint_arg(self.checkpoint)
         if self.data_root is not None:
             check_path(self.data_root, "--data-root")
         if self.precision is not None and self.precision not in PRECISIONS:
@@ -70,8 +65,7 @@ class EvalArgs:
 def checkpoint_config(ckpt: dict, args: EvalArgs) -> Config:
     """The run's Config from its checkpoint, with this evaluation's flags over it (and no --limit-val-batches:
     every sample counts)."""
-    saved = ckpt["config"]
-    cfg = Config(**{f.name: saved[f.name] for f in dataclasses.fields(Config) if f.name in saved})
+    cfg = saved_config(ckpt)
     cfg.limit_val_batches, cfg.num_workers, cfg.pin_memory, cfg.persistent_workers = None, args.num_workers, None, False
     cfg.prefetch_factor = None
     cfg.data_root = args.data_root or cfg.data_root

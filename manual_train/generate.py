@@ -16,7 +16,6 @@ recomputes the whole context (at most block_size tokens), simple and fast enough
 """
 from __future__ import annotations
 
-import dataclasses
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,8 +25,8 @@ import torch
 import torch.nn as nn
 
 from manual_train import text
-from manual_train.checkpoint import first_line, load_checkpoint
-from manual_train.config import Config, arg, check_path, parse_config
+from manual_train.checkpoint import check_checkpoint_arg, first_line, load_checkpoint, saved_config
+from manual_train.config import arg, parse_config
 from manual_train.distributed import pick_device, read_env
 from manual_train.errors import UsageError
 from manual_train.models import DataInfo, build_model
@@ -48,18 +47,13 @@ class GenerateArgs:
     device: str = arg("auto", "auto, cpu, cuda or cuda:N", metavar="{auto,cpu,cuda,cuda:N}")
 
     def validate(self) -> None:
-        if self.checkpoint is None:
-            raise UsageError("--checkpoint", "is required", "a last.pt or best.pt path")
-        check_path(self.checkpoint, "--checkpoint")
-        if not (Path(self.checkpoint).is_file() or Path(self.checkpoint).is_dir()):  # a dcp checkpoint is a folder
-            raise UsageError("--checkpoint", f"no checkpoint file at {self.checkpoint}")
+        check_checkpoint_arg(self.checkpoint)
 
 
 def load_gpt(path: str, device: torch.device) -> tuple[nn.Module, int]:
     """(the checkpoint's GPT in eval mode on `device`, its block_size); anything else is refused in one line."""
     ckpt = load_checkpoint(Path(path), flag="--checkpoint")
-    saved = ckpt["config"] if isinstance(ckpt["config"], dict) else {}
-    cfg = Config(**{f.name: saved[f.name] for f in dataclasses.fields(Config) if f.name in saved})
+    cfg = saved_config(ckpt)
     if cfg.model != "gpt" or cfg.dataset != "pydoc":
         what = ("a GPT of the digit-reversal task (a vocabulary of 11 tokens), not of text" if cfg.model == "gpt"
                 else f"a {cfg.model}, not a GPT")
