@@ -32,6 +32,7 @@ import torch
 import torch.nn as nn
 
 from manual_train.config import Config, UsageError, check_path
+from manual_train.errors import StorageError, os_error_in
 
 REQUIRED_KEYS = ("model", "optimizer", "scheduler", "scaler", "epoch", "step", "rng", "early_stopping",
                  "config", "world_size")
@@ -88,9 +89,25 @@ def save_checkpoint(state: dict, path: Path) -> None:
             os.fsync(dir_fd)  # and the rename itself survives a power cut
         finally:
             os.close(dir_fd)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    except BaseException as e:
+        tmp.unlink(missing_ok=True)  # (deleting frees what it took: this works on a full disk)
+        fault = os_error_in(e)
+        if fault is None:
+            raise
+        raise StorageError(path, fault, intact=what_is_intact(path)) from None
+
+
+def what_is_intact(path: Path) -> str:
+    """For a failed save: what `path` still holds (the write never touched it)."""
+    if not Path(path).exists():
+        return f"no {Path(path).name} was written before it"
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)  # the tensors stay on disk
+        micro, epoch = ckpt["progress"]["micro_steps_done"], int(ckpt["epoch"])
+        where = f"epoch {epoch + 1}, mid-epoch" if micro else f"after epoch {epoch}"
+        return f"the previous {Path(path).name} ({where}, step {ckpt['step']}) is intact"
+    except Exception:
+        return f"the previous {Path(path).name} is untouched"
 
 
 def remove_stale_temp_files(out_dir: Path) -> None:

@@ -7,6 +7,7 @@ from typing import Callable, Optional, Sequence
 
 from manual_train.checkpoint import RunFinished
 from manual_train.config import Config, UsageError, parse_config
+from manual_train.errors import StorageError
 from manual_train.metrics import discard_unstarted_runs
 from manual_train.runtime import TrainingDiverged
 
@@ -14,7 +15,8 @@ from manual_train.runtime import TrainingDiverged
 def run(train: Callable[[Config], dict], config_cls=Config, *, script: str, doc: Optional[str] = None,
         argv: Optional[Sequence[str]] = None, **defaults) -> int:
     """Exit status: 0 done (or a resumed run that was already finished), 1 training diverged (last good
-    checkpoint kept), 2 bad input, 130 Ctrl-C. A run that fails before its first log row leaves no folder.
+    checkpoint kept), 2 bad input, 74 a write the file system refused (disk full, I/O error, read-only; what is
+    intact is said, nothing half-written is left under a final name), 130 Ctrl-C. A run that fails before its first log row leaves no folder.
 
     Under torchrun every rank meets the same bad flag or the same all-reduced NaN: local rank 0 prints
     the one line for its node, the other ranks exit with the same status silently. torchrun itself then
@@ -44,6 +46,9 @@ def run(train: Callable[[Config], dict], config_cls=Config, *, script: str, doc:
         if report:
             print(f"error: {e}", file=sys.stderr)
         return 1
+    except StorageError as e:  # raised on the rank that writes (rank 0); the others end when torchrun stops them
+        print(f"error: {e}", file=sys.stderr)
+        return StorageError.EXIT_STATUS
     except KeyboardInterrupt:
         if report:
             print("interrupted", file=sys.stderr)

@@ -1,10 +1,13 @@
-"""The one user-error type: every check in manual_train raises it, manual_train.cli.run prints it.
+"""The one user-error type (every check in manual_train raises it, manual_train.cli.run prints it), and the one
+storage-fault type (a write the file system refused).
 
 Its own module so that any module can raise it without importing the config (which imports the
 checks of other modules): no import cycles.
 """
 from __future__ import annotations
 
+import errno
+from pathlib import Path
 from typing import Optional
 
 
@@ -17,3 +20,43 @@ class UsageError(Exception):
         if allowed:
             text += f" (allowed: {allowed})"
         super().__init__(text)
+
+
+# What a user reads for the errno of a write that failed: the file system, not the input, is at fault.
+_STORAGE_FAULTS = {
+    errno.ENOSPC: ("disk full", "free space"),
+    errno.EDQUOT: ("disk quota exceeded", "free space or raise the quota"),
+    errno.EIO: ("I/O error", "check the disk (dmesg)"),
+    errno.EROFS: ("read-only file system", "remount it writable or pass another --out-dir"),
+    errno.ENOENT: ("the folder is gone", "recreate it"),
+    errno.EACCES: ("permission denied", "make the folder writable"),
+    errno.EPERM: ("operation not permitted", "make the folder writable"),
+}
+
+
+class StorageError(Exception):
+    """A write the file system refused (disk full, I/O error, read-only, the folder removed): printed as one line
+    naming the file, what the OS said and what is intact; exit status 74 (sysexits' EX_IOERR): the input was fine,
+    and the run can go on with --resume auto once the disk can take it."""
+
+    EXIT_STATUS = 74
+
+    def __init__(self, path, error: OSError, intact: str):
+        what, fix = _STORAGE_FAULTS.get(error.errno, (error.strerror or str(error), "fix the storage"))
+        self.path, self.errno = path, error.errno
+        # --resume auto reads the folder's last.pt; without one there is nothing to go on from
+        rerun = ("rerun with --resume auto" if (Path(path).parent / "last.pt").exists() or
+                 (Path(path).parent / "last.dcp").exists() else "rerun (no checkpoint yet: into a new --out-dir)")
+        super().__init__(f"{what} writing {path}; {intact}; {fix} and {rerun}")
+
+
+def os_error_in(e: BaseException) -> Optional[OSError]:
+    """The OSError with an errno behind `e`, itself or in its chain (torch.save reports a failed write as a
+    RuntimeError from its zip writer, raised while handling the file object's OSError), else None."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno is not None:
+            return e
+        e = e.__cause__ or e.__context__
+    return None

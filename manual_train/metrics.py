@@ -9,6 +9,7 @@ console's "epoch 3/10" always did; the loops and checkpoints count completed epo
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 import os
@@ -21,6 +22,7 @@ from tqdm import tqdm
 
 from manual_train.checkpoint import remove_stale_temp_files
 from manual_train.config import UsageError
+from manual_train.errors import StorageError
 
 CSV_COLUMNS = ("step", "epoch", "split", "loss", "acc", "lr", "samples_per_s", "time_s")
 LM_COLUMNS = ("bpb", "ppl")  # a byte-level language model's (--dataset pydoc): the loss as bits per byte, perplexity
@@ -50,6 +52,22 @@ def discard_unstarted_runs() -> None:
             pass
 
 
+def _last_step(rows: str, before: Optional[int]) -> Optional[int]:
+    """The step of the last of these CSV rows (`before` when there is none: only the header)."""
+    last = rows.splitlines()[-1] if rows else ""
+    return int(last.split(",", 1)[0]) if last[:1].isdigit() else before
+
+
+def _write_whole(tmp: Path, path: Path, text: str, intact: str) -> None:
+    """`text` into `path` all or nothing: written to `tmp` beside it, then renamed over it."""
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise StorageError(path, e, intact=intact) from None
+
+
 class RunLog:
     """metrics.csv rows, console lines, optional TensorBoard scalars and summary.json, on rank 0."""
 
@@ -64,27 +82,32 @@ class RunLog:
             return
         self.out_dir.mkdir(parents=True, exist_ok=True)
         remove_stale_temp_files(self.out_dir)  # half-written checkpoints of a killed run
-        path = self.out_dir / "metrics.csv"
-        kept = []
+        path = self._path = self.out_dir / "metrics.csv"
+        self._size, self.last_step = 0, None  # metrics.csv's whole bytes, and its last row's step
+        self._line = io.StringIO()  # one row formatted at a time, then appended whole (_append)
+        self._rows = csv.writer(self._line)
+        header = csv.DictWriter(self._line, fieldnames=CSV_COLUMNS + LM_COLUMNS * language_model)
+        header.writeheader()
         if resume_step is not None and path.exists():
-            # Resuming into the same folder: keep the rows up to the checkpoint, drop the ones the
-            # crashed run logged after it (they are about to be recomputed).
+            # Resuming into the same folder: keep the rows up to the checkpoint, drop the ones the crashed run
+            # logged after it (they are about to be recomputed); written beside it and swapped in, so a disk that
+            # cannot take the copy leaves the old file whole.
             with open(path, newline="") as f:
-                kept = [row for row in csv.DictReader(f) if int(row["step"]) <= resume_step]
-            self._file = open(path, "w", newline="")
+                header.writerows(row for row in csv.DictReader(f) if int(row["step"]) <= resume_step)
+            tmp = self.out_dir / f".metrics.csv.tmp-{os.getpid()}"
+            _write_whole(tmp, path, self._line.getvalue(), f"the previous {path.name} is untouched")
+            self._fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+            self._size, self.last_step = os.fstat(self._fd).st_size, _last_step(self._line.getvalue(), None)
         else:
             # A fresh run claims the folder atomically: creating metrics.csv with O_EXCL fails when another run
             # (started in the same instant, past the same "is it free" check) created it first.
             try:
-                self._file = os.fdopen(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644), "w", newline="")
+                self._fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_APPEND, 0o644)
             except FileExistsError:
                 raise UsageError("--out-dir", f"{out_dir} was just claimed by another run (nothing is overwritten)",
                                  "a new --out-dir") from None
             _claimed_here.append(self.out_dir)
-        self._csv = csv.DictWriter(self._file, fieldnames=CSV_COLUMNS + LM_COLUMNS * language_model)
-        self._csv.writeheader()
-        self._csv.writerows(kept)
-        self._rows = csv.writer(self._file)
+            self._append(self._line.getvalue())
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -100,13 +123,29 @@ class RunLog:
             return
         # a tuple in CSV_COLUMNS' order: DictWriter's dict and its key check cost ~15 us a row inside a training loop
         row = (step, epoch + 1, split, f"{loss:.8g}", f"{acc:.6g}", f"{lr:.8g}", f"{samples_per_s:.2f}", f"{time_s:.3f}")
+        self._line.seek(0)
+        self._line.truncate()
         self._rows.writerow(row + tuple(f"{v:.8g}" for v in lm_numbers(loss).values()) * self.language_model)
-        self._file.flush()
+        self._append(self._line.getvalue())
         if self.tb is not None:
             self.tb.add_scalar(f"{split}/loss", loss, step)
             self.tb.add_scalar(f"{split}/acc", acc, step)
             if split == "train":
                 self.tb.add_scalar("train/lr", lr, step)
+
+    def _append(self, text: str) -> None:
+        """Append whole rows to metrics.csv, or none: a write the disk refuses part-way is cut off again (shrinking
+        a file frees space, so this works on a full disk), and the file never ends in half a row."""
+        data, size = text.encode(), self._size
+        try:
+            done = 0
+            while done < len(data):  # os.write may take part of it (a full disk), then raises on the rest
+                done += os.write(self._fd, data[done:])
+        except OSError as e:
+            os.ftruncate(self._fd, size)
+            raise StorageError(self._path, e, intact=f"its rows up to step {self.last_step} are whole"
+                               if self.last_step is not None else "it holds its header only") from None
+        self._size, self.last_step = size + len(data), _last_step(text, self.last_step)
 
     def write_summary(self, summary: dict) -> None:
         """summary.json, written whole to a temp file and renamed, like the checkpoints."""
@@ -114,16 +153,16 @@ class RunLog:
             return
         missing = [k for k in SUMMARY_KEYS if k not in summary]
         assert not missing, f"summary lacks {missing}"
-        tmp = self.out_dir / f".summary.json.tmp-{os.getpid()}"
-        tmp.write_text(json.dumps(_finite_or_none(summary), indent=2) + "\n")
-        os.replace(tmp, self.out_dir / "summary.json")
+        tmp, path = self.out_dir / f".summary.json.tmp-{os.getpid()}", self.out_dir / "summary.json"
+        intact = "the previous summary.json is intact" if path.exists() else "the checkpoints and metrics.csv are intact"
+        _write_whole(tmp, path, json.dumps(_finite_or_none(summary), indent=2) + "\n", intact)
 
     def close(self) -> None:
         if not self.writes:
             return
         if self.out_dir in _claimed_here:
             _claimed_here.remove(self.out_dir)  # the run finished: its folder is its results
-        self._file.close()
+        os.close(self._fd)
         if self.tb is not None:
             self.tb.close()
 
