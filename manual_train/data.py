@@ -462,9 +462,11 @@ def steps_per_epoch(num_samples: int, batch_size: int, accumulate: int) -> int:
 
 
 def target_counts(dataset: Dataset) -> Optional[torch.Tensor]:
-    """Each sample's number of targets, an (n,) int64 tensor, for a dataset whose samples differ (text's `targets`);
-    None where every sample has as many (a label, or L tokens)."""
-    return getattr(dataset, "targets", None) if isinstance(getattr(dataset, "targets", None), torch.Tensor) else None
+    """Each sample's number of targets, an (n,) int64 tensor, for a dataset whose samples differ: its attribute
+    `targets_per_sample` (text.ByteChunks'; a dataset of yours may set it too). None where every sample has as many
+    (a label, or L tokens). Not `targets`: torchvision's datasets keep their labels there (MNIST: a tensor)."""
+    counts = getattr(dataset, "targets_per_sample", None)
+    return counts if isinstance(counts, torch.Tensor) else None
 
 
 class Windows:

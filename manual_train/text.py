@@ -49,7 +49,7 @@ class ByteChunks(Dataset):
     """Documents cut into samples: x[i] (T,) int64 input tokens, y[i] (T,) int64 targets (IGNORE past the end).
 
     Chunk k of a document with tokens t = BOS b1 b2 ... bD is x = t[kT : kT+T], y = t[kT+1 : kT+T+1]: every byte is
-    a target exactly once. `targets` holds each sample's number of real targets (data.Windows reads it)."""
+    a target exactly once. `targets_per_sample` holds each sample's number of real targets (data.Windows reads it)."""
 
     def __init__(self, docs: list[bytes], block_size: int, limit: int = 0):
         xs, ys = [], []
@@ -60,7 +60,7 @@ class ByteChunks(Dataset):
                 xs.append(torch.cat([x, x.new_full((block_size - len(x),), BOS)]))
                 ys.append(torch.cat([y, y.new_full((block_size - len(y),), IGNORE)]))
         self.x, self.y = torch.stack(xs)[:limit or None], torch.stack(ys)[:limit or None]  # limit: the first samples
-        self.targets = (self.y != IGNORE).sum(1)
+        self.targets_per_sample = (self.y != IGNORE).sum(1)
 
     def __len__(self) -> int:
         return len(self.y)

@@ -207,7 +207,7 @@ def test_compile_pydoc_entry_counts_real_targets_and_builds_rows(tmp_path, monke
     expected = [int((train_ds.y[order[k * batch:(k + 1) * batch]] != IGNORE).sum())
                 for k in range(levers.PYDOC_BATCHES)]
     assert raw["targets"] == expected and min(expected) <= raw["targets_per_step"] <= batch * 64
-    assert raw["epoch_targets_per_sample"] == pytest.approx(train_ds.targets.double().mean().item())
+    assert raw["epoch_targets_per_sample"] == pytest.approx(train_ds.targets_per_sample.double().mean().item())
     ratios = [r for r in outcome.rows if r.kind == "ratio"]
     assert [r.variant for r in ratios] == ["--compile model", "--compile blocks"]
     assert all(r.better == "higher" and r.values == [1.0] for r in ratios)

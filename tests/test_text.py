@@ -96,8 +96,9 @@ def test_samples_carry_different_numbers_of_targets_and_every_byte_is_a_target_o
     train, val, info = text.pydoc_datasets(32)
     docs = text.documents()
     assert len(train) + len(val) == sum(math.ceil(len(d) / 32) for d in docs.values())
-    assert int(train.targets.sum()) + int(val.targets.sum()) == sum(len(d) for d in docs.values())
-    assert train.targets.min() >= 1 and len(set(train.targets.tolist())) > 10  # short last chunks of every length
+    counts = train.targets_per_sample
+    assert int(counts.sum()) + int(val.targets_per_sample.sum()) == sum(len(d) for d in docs.values())
+    assert counts.min() >= 1 and len(set(counts.tolist())) > 10  # short last chunks of every length
     x, y = train[0]
     assert (x[1:][y[:-1] != -100] == y[:-1][y[:-1] != -100]).all()  # y is x shifted by one
     assert info.num_classes == text.VOCAB == 257 and x.shape == (32,)
@@ -183,3 +184,17 @@ def test_a_missing_or_empty_pydoc_data_is_one_line(tmp_path, topics, expect):
                         env={"PYTHONPATH": str(tmp_path / "fake")})
     assert result.returncode == 2 and expect in result.stderr and "Traceback" not in result.stderr, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "r").exists()
+
+
+def test_a_datasets_labels_are_not_taken_for_target_counts(tmp_path):
+    """torchvision's MNIST keeps its labels in a tensor named `targets`: they must not be read as each sample's
+    number of targets (that weighted every sample by its label, and a 0 by nothing). Only `targets_per_sample` is."""
+    from idx import write_tiny_mnist
+
+    cfg = make_cfg(tmp_path, dataset="mnist", data_root=str(write_tiny_mnist(tmp_path / "data")), model="mlp",
+                   batch_size=32)
+    train, _, _ = data.build_datasets(cfg)
+    assert isinstance(train.targets, torch.Tensor) and data.target_counts(train) is None
+    sampler = data.train_sampler(train, cfg.seed)
+    sampler.set_epoch(0)
+    assert data.Windows(train, sampler, cfg).count(0) == (32, 32)  # one target per sample

@@ -66,4 +66,13 @@ MUTANTS = [
         says="On text, micro-batches weighted by their samples, as if every sample had block-size targets: a "
              "document's short last chunk counts as a full one.",
         kill=TEXT_KILL, env=TEXT_ENV, demo=TEXT_DEMO),
+    Mutant(
+        name="accumulation-labels-read-as-target-counts",
+        technique="accumulation",
+        file="manual_train/data.py",
+        old='    counts = getattr(dataset, "targets_per_sample", None)',
+        new='    counts = getattr(dataset, "targets", None)',
+        says="Per-sample target counts read from a dataset's `targets`, where torchvision keeps MNIST's labels: "
+             "every sample weighs its label (a 0 nothing), and the loss is divided by the labels' sum.",
+        kill=("tests/test_text.py::test_a_datasets_labels_are_not_taken_for_target_counts",)),
 ]
