@@ -40,7 +40,6 @@ REQUIRED_KEYS = ("model", "optimizer", "scheduler", "scaler", "epoch", "step", "
 # (--batch-size, --accumulate and the world size may change as long as the global batch does not; --epochs and
 # --max-steps may grow when the LR schedule does not depend on the run's length; the rest, e.g. workers,
 # logging, evaluation and --precision, may change freely.)
-AUGMENTED = ("cifar10",)  # datasets whose training transforms draw random numbers (data.build_datasets)
 MUST_MATCH = ("model", "dataset", "synthetic_size", "synthetic_shape", "synthetic_classes", "optimizer", "lr",
               "lr_scaling", "base_batch_size", "weight_decay", "grad_clip", "grad_clip_value", "schedule",
               "warmup_steps", "seed", "dropout", "limit_train_batches")
@@ -391,15 +390,13 @@ def check_world_size_change(ckpt: dict, cfg: Config, world_size: int, flag: str 
     """A resume at another world size (data-parallel ranks) with the same global batch continues the training exactly
     when nothing draws random numbers per rank: rank r's shard is perm[r::N], so step i averages perm[i*G:(i+1)*G]
     at any N (G the global batch; only the order of the sum changes). Per-rank RNG streams cannot be redistributed:
-    N ranks draw N streams of dropout masks or augmentations that M ranks cannot repeat. Refused in one line."""
+    N ranks draw N streams of dropout masks that M ranks cannot repeat: refused in one line. (Augmentation is drawn
+    per sample, data.PerSampleRNG, so it moves with the samples.)"""
     saved_size = ckpt["world_size"]
     why = None
     if cfg.dropout:
         why = f"with --dropout {cfg.dropout} every rank draws its own masks from its own RNG stream, which " \
               f"{world_size} ranks cannot repeat"
-    elif cfg.dataset in AUGMENTED:
-        why = f"--dataset {cfg.dataset} augments at random, every rank from its own RNG stream, which {world_size} " \
-              "ranks cannot repeat"
     elif "hybrid" in (ckpt.get("script"), script):
         why = "the hybrid loop's resume is proven at its own world size only"
     if why:
