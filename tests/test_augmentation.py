@@ -19,8 +19,10 @@ from manual_train.loops import single
 from manual_train.models import DataInfo
 
 FLAGS = dict(model="mlp", dataset="digits", epochs=2, batch_size=64, num_workers=2, log_every=5,
-             checkpoint_every_steps=7)
-CRASH_AT = 30  # micro-steps: after the step-28 checkpoint, mid-epoch 2 (24 steps an epoch)
+             checkpoint_every_steps=9)
+# micro-steps: after the step-27 checkpoint, 3 steps into epoch 2 (24 steps an epoch). An odd count: the resumed
+# epoch's first batch goes to the other worker than in the uninterrupted run (the workers take batches in turn)
+CRASH_AT = 30
 
 
 class Augmented(Dataset):
@@ -74,7 +76,7 @@ def train(tmp_path, name, per_sample: bool, monkeypatch, crash_at: int = 0, **fl
 def resumed_vs_uninterrupted(tmp_path, monkeypatch, per_sample: bool) -> tuple[dict, dict]:
     full = train(tmp_path, "full", per_sample, monkeypatch)
     crashed = train(tmp_path, "resumed", per_sample, monkeypatch, crash_at=CRASH_AT)
-    assert (crashed["epoch"], crashed["progress"]["micro_steps_done"]) == (1, 4)  # step 28: mid-epoch 2
+    assert (crashed["epoch"], crashed["progress"]["micro_steps_done"]) == (1, 3)  # step 27: mid-epoch 2
     resumed = train(tmp_path, "resumed", per_sample, monkeypatch, resume="auto")
     return full["model"], resumed["model"]
 

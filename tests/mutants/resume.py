@@ -98,4 +98,14 @@ MUTANTS = [
         kill=("tests/test_early_stopping.py::test_a_resumed_run_continues_the_patience_count",),
         demo=("single", 0, "--monitor", "val_acc", "--early-stop-patience", "2", "--epochs", "6", "--schedule",
               "constant"), demo_stop=94),
+    Mutant(
+        name="resume-augmentation-per-worker-stream",
+        technique="resume",
+        file="manual_train/data.py",
+        old="        rng.manual_seed(mix64(self.seed, int(self.epoch), int(index)))\n",
+        new="",
+        says="Random augmentation drawn from the loader worker's own stream: a resumed epoch hands its batches to "
+             "the workers from the resume point, and every crop and flip after it differs.",
+        report="Lightning #17543 (closed as won't fix), Accelerate #4195",
+        kill=("tests/test_augmentation.py::test_a_mid_epoch_resume_with_augmentation_in_two_workers_is_bitwise",)),
 ]
