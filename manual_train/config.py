@@ -182,6 +182,8 @@ class Config:
     profile_steps: Optional[str] = arg(None, "the profiled window A:B: optimizer steps A+1 to B (default: 5:10; "
                                              "implies --profile)", metavar="A:B")
     summary_depth: int = arg(1, "module depth of the banner's per-layer model summary (0: none)", min=0)
+    trace_dir: Optional[str] = arg(None, "record the loss and the full weights' checksums after every optimizer step "
+                                         "into DIR for python -m manual_train.parity (off: no cost)", metavar="DIR")
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
@@ -206,6 +208,8 @@ class Config:
         if self.resume == "auto" and self.out_dir is None:
             raise UsageError("--resume", "auto needs an explicit --out-dir to look for last.pt in")
         check_writable_dir(self.out_dir, "--out-dir", room=OUT_DIR_ROOM)
+        if self.trace_dir is not None:
+            check_writable_dir(self.trace_dir, "--trace-dir", room=OUT_DIR_ROOM)
         if self.out_dir and self.resume is None and not self.fast_dev_run and any((Path(self.out_dir) / name).exists()
                                                         for name in ("last.pt", "metrics.csv")):
             raise UsageError("--out-dir", f"{self.out_dir} already holds a run (nothing is overwritten)",

@@ -9,7 +9,7 @@ same way in every loop, sits behind a handful of one-line calls on a `Run`, in t
     for epoch in range(start_epoch, num_epochs):
         for micro_step, (x, y) in enumerate(run.timed(loader), start=...):   # counts the time spent waiting
             ...
-            stepped = run.stepped(scaler)          # False when 16-mixed's GradScaler skipped the step
+            stepped = run.stepped(scaler, loss_sum)  # False when 16-mixed's GradScaler skipped it (--trace-dir)
             run.log_train(step, epoch, loss, acc, lr, samples_seen)   # metrics.csv; NaN stops the run
         improved = run.log_val(step, epoch, val_loss, val_acc, lr)    # metrics.csv, early stopping, best
         run.save(epoch, micro_steps_done, step, samples_seen)         # last.pt (and best.pt), atomically
@@ -49,6 +49,7 @@ from manual_train.config import UsageError
 from manual_train.distributed import DistEnv
 from manual_train.early_stopping import EarlyStopping
 from manual_train.metrics import RunLog, banner, lm_numbers, progress_bar, run_summary
+from manual_train.parity import RunTrace
 from manual_train.runtime import TrainingDiverged, peak_mem_bytes
 
 LONE = DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, launched=False)
@@ -84,6 +85,8 @@ class Run:
         self.stopping, self.stop_reason, self.val_step = False, None, None
         self.keep = not cfg.fast_dev_run  # --fast-dev-run: nothing written
         self.profiler = None
+        # --trace-dir (python -m manual_train.parity): the loss and weights after every optimizer step; None: no cost
+        self.trace = RunTrace(self) if getattr(cfg, "trace_dir", None) else None
 
     @property
     def distributed(self) -> bool:
@@ -134,6 +137,8 @@ class Run:
         self.t_start = self.t_log = time.perf_counter()
         self.train_rows: list = []  # (seconds, samples, samples/s) of each train row: summary.json's compile_s
         self.max_time_s = self.cfg.max_time_s()
+        if self.trace is not None:
+            self.trace.start(step)  # the weights it starts from (initial, or the checkpoint's)
         return start_epoch, start_micro_step, step, samples_seen
 
     def _load_model_optimizer(self, ckpt: dict, model, optimizer) -> None:
@@ -177,10 +182,13 @@ class Run:
             yield batch
             t = time.perf_counter()
 
-    def stepped(self, scaler) -> bool:
+    def stepped(self, scaler, loss_sum=None) -> bool:
         """Whether the optimizer step was taken. GradScaler.step syncs to decide (it reads found_inf) but does not
         say what it decided; the scale only shrinks on a skipped step, so comparing it with the previous step's
-        (kept on the host) tells. get_scale() is one host sync under 16-mixed, none when the scaler is off."""
+        (kept on the host) tells. get_scale() is one host sync under 16-mixed, none when the scaler is off.
+        `loss_sum`: the loop's running loss sum, which --trace-dir records the step's loss from (unused otherwise)."""
+        if self.trace is not None:
+            self.trace.stepped(loss_sum)  # the weights after this step (a gather when sharded), the step's loss
         scale = scaler.get_scale()
         stepped = scale >= self._last_scale
         self._last_scale = scale
@@ -196,6 +204,8 @@ class Run:
                   log_steps: int = 1) -> None:
         """A metrics.csv row and the progress bar; a NaN/inf loss stops the run (every rank alike: the numbers
         are all-reduced), keeping the last good checkpoint."""
+        if self.trace is not None:
+            self.trace.window_logged()  # the loop zeroes loss_sum next
         if not math.isfinite(loss):
             raise TrainingDiverged.at(loss, step, log_steps, self._checkpoint_path("last"))
         now = time.perf_counter()

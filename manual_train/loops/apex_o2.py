@@ -161,7 +161,7 @@ def train(cfg: O2Config) -> dict:  # O2
                             p.copy_(master)
                 scaler.update(found_inf)
                 # <<< O2
-                if run.stepped(scaler):  # a skipped step does not advance the schedule (Lightning's does)
+                if run.stepped(scaler, loss_sum):  # a skipped step does not advance the schedule (Lightning's does)
                     scheduler.step()
                 step += 1
                 log_steps += 1

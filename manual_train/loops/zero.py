@@ -168,7 +168,7 @@ def train_rank(cfg: ZeroConfig, env: DistEnv, device: torch.device) -> dict:  # 
                     torch.nn.utils.clip_grad_value_(raw_model.parameters(), cfg.grad_clip_value)
                 scaler.step(optimizer)  # 16-mixed: skipped when the gradients hold inf/NaN
                 scaler.update()  # 16-mixed: halve the scale after a skip, double it after growth_interval clean steps
-                if run.stepped(scaler):  # a skipped step does not advance the schedule (Lightning's does)
+                if run.stepped(scaler, loss_sum):  # a skipped step does not advance the schedule (Lightning's does)
                     scheduler.step()
                 step += 1
                 log_steps += 1
