@@ -79,8 +79,9 @@ class Config:
     """Flags shared by every launch script (names fixed by docs/ and the tests)."""
 
     # data
-    dataset: str = arg("digits", "dataset; digits (scikit-learn's bundled 8x8 digits) needs no download",
-                       choices=DATASETS)
+    dataset: str = arg("digits", "dataset; digits (scikit-learn's bundled 8x8 digits) needs no download; "
+                                 "your own: docs/your-model.md",
+                       metavar="{" + ",".join(DATASETS) + "} or PACKAGE.MODULE:CALLABLE")
     data_root: str = arg("data", "folder holding torchvision datasets (mnist, fashion-mnist, cifar10)",
                          metavar="PATH")
     download: bool = arg(False, "allow torchvision to download --dataset into --data-root (opt-in)")
@@ -92,8 +93,9 @@ class Config:
                               "a sample holds, and the GPT's context length", min=1)
     text_samples: int = arg(0, "--dataset pydoc: train on the first N samples of the text only (0: all of it)", min=0)
     # model
-    model: str = arg("cnn", "model to train (seq2seq only with --dataset reverse; gpt with reverse or pydoc)",
-                     choices=MODELS)
+    model: str = arg("cnn", "model to train (seq2seq only with --dataset reverse; gpt with reverse or pydoc); "
+                            "yours: docs/your-model.md",
+                     metavar="{" + ",".join(MODELS) + "} or PACKAGE.MODULE:CALLABLE")
     activation_checkpointing: str = arg("none", "recompute activations in backward instead of keeping them, per "
                                                 "block (gpt, resnet18): full, or selective (matmul and attention "
                                                 "outputs kept); less memory for more time", choices=CHECKPOINTING)
@@ -269,6 +271,7 @@ class Config:
     def validate_step(self) -> None:
         """The checks for what one training step needs: data, model, loss scale, device (find_batch_size's)."""
         self.check_precision_choice()
+        self.check_model_and_dataset()
         self.input_shape()  # parses --synthetic-shape
         check_path(self.data_root, "--data-root")
         token_sets = {"seq2seq": ("reverse",), "gpt": ("reverse", "pydoc")}.get(self.model)
@@ -284,6 +287,22 @@ class Config:
         check_device_name(self.device, "--device")
         if getattr(self, "optimizer_impl", None) == "fused" and self.optimizer == "sgd" and self.precision == "16-mixed":
             raise UsageError("--optimizer-impl", SCALER_SKIPS_FUSED_SGD, "foreach, for-loop, or --optimizer adamw")
+
+    def check_model_and_dataset(self) -> None:
+        """--model and --dataset: a built-in name (checked here, not by argparse's choices, which would refuse a spec),
+        or a plug-in spec PACKAGE.MODULE:CALLABLE whose module imports and whose attribute is callable
+        (manual_train/plugins.py; calling it and checking what it returns is data.build_datasets')."""
+        from manual_train import plugins
+
+        for flag, value, names in (("--dataset", self.dataset, DATASETS), ("--model", self.model, MODELS)):
+            if plugins.is_spec(value):
+                plugins.load(value, flag)
+            elif value not in names:
+                raise UsageError(flag, f"invalid choice: {value!r}", ", ".join(repr(n) for n in names) +
+                                 ", or PACKAGE.MODULE:CALLABLE")
+        if plugins.is_spec(self.model) and self.dropout:
+            raise UsageError("--dropout", f"a plug-in model builds its own dropout; {self.model} is not given this "
+                                          "flag", "0")
 
     def check_precision_choice(self) -> None:
         """--precision is one of PRECISIONS; apex's O2 is refused with a pointer to its own script (O2Config, which

@@ -35,7 +35,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, Subset, TensorDataset
 from torch.utils.data import default_collate
 
-from manual_train import text, tokens
+from manual_train import plugins, text, tokens
 from manual_train.config import Config, UsageError
 from manual_train.models import DataInfo, check_input_fits  # noqa: F401 (DataInfo re-exported)
 
@@ -280,11 +280,16 @@ def build_datasets(cfg: Config) -> tuple[Dataset, Dataset, DataInfo]:
     train, val, info = _datasets(cfg)
     val = limit_val(val, cfg)  # --limit-val-batches, --fast-dev-run
 
-    check_input_fits(cfg.model, info, "--synthetic-shape" if cfg.dataset == "synthetic" else "--model")
+    if plugins.is_spec(cfg.model):  # your model: one forward of a real sample, and the logits' shape
+        plugins.check_fits(cfg, info, train)
+    else:
+        check_input_fits(cfg.model, info, "--synthetic-shape" if cfg.dataset == "synthetic" else "--model")
     return train, val, info
 
 
 def _datasets(cfg: Config) -> tuple[Dataset, Dataset, DataInfo]:
+    if plugins.is_spec(cfg.dataset):  # --dataset PACKAGE.MODULE:CALLABLE, your own (docs/your-model.md)
+        return plugins.build_datasets(cfg, DataInfo)
     if cfg.dataset == "digits":
         train, val = load_digits_split()
         return train, val, DataInfo("digits", (1, 8, 8), 10)
@@ -390,6 +395,7 @@ def test_dataset(cfg: Config) -> Dataset:
     validate on these same files today: val is the test set there, docs/evaluation.md.)"""
     if cfg.dataset not in ("mnist", "fashion-mnist", "cifar10"):
         what = ("its 1797 images are split 1500 train / 297 val" if cfg.dataset == "digits"
+                else "a plug-in dataset returns train and val only" if plugins.is_spec(cfg.dataset)
                 else "it is generated: train and val only")
         raise UsageError("--split", f"{cfg.dataset} has no test set ({what})", "val")
     return _torchvision_dataset(cfg)[1]  # read from the t10k / test_batch files, with their checks

@@ -336,6 +336,10 @@ def build_model_from(cfg, info: DataInfo) -> nn.Module:
 
 
 def _build_model(name: str, info: DataInfo, dropout: float) -> nn.Module:
+    if ":" in name:  # --model PACKAGE.MODULE:CALLABLE, your own (manual_train/plugins.py, docs/your-model.md)
+        from manual_train import plugins
+
+        return plugins.build_model(name, info)
     if name == "mlp":
         return MLP(info.input_shape, info.num_classes, dropout=dropout)
     if name == "cnn":
