@@ -7,8 +7,9 @@ from typing import Callable, Optional, Sequence
 
 from manual_train.checkpoint import RunFinished
 from manual_train.config import Config, UsageError, parse_config
-from manual_train.errors import StorageError
+from manual_train.errors import Preempted, StorageError
 from manual_train.metrics import discard_unstarted_runs
+from manual_train.run import restore_signal_handlers
 from manual_train.runtime import TrainingDiverged
 
 
@@ -16,7 +17,8 @@ def run(train: Callable[[Config], dict], config_cls=Config, *, script: str, doc:
         argv: Optional[Sequence[str]] = None, **defaults) -> int:
     """Exit status: 0 done (or a resumed run that was already finished), 1 training diverged (last good
     checkpoint kept), 2 bad input, 74 a write the file system refused (disk full, I/O error, read-only; what is
-    intact is said, nothing half-written is left under a final name), 130 Ctrl-C. A run that fails before its first log row leaves no folder.
+    intact is said, nothing half-written is left under a final name), 75 stopped by a --save-on-signal signal
+    after saving (requeue, or rerun with --resume auto), 130 Ctrl-C. A run that fails before its first log row leaves no folder.
 
     Under torchrun every rank meets the same bad flag or the same all-reduced NaN: local rank 0 prints
     the one line for its node, the other ranks exit with the same status silently. torchrun itself then
@@ -33,6 +35,7 @@ def run(train: Callable[[Config], dict], config_cls=Config, *, script: str, doc:
             train(cfg)
         except BaseException:
             discard_unstarted_runs()  # its folder would only block the next try ("already holds a run")
+            restore_signal_handlers()  # a run that did not reach finish() gives them back here
             raise
     except RunFinished as e:
         if report:
@@ -46,6 +49,10 @@ def run(train: Callable[[Config], dict], config_cls=Config, *, script: str, doc:
         if report:
             print(f"error: {e}", file=sys.stderr)
         return 1
+    except Preempted as e:  # last.pt (last.dcp) saved at a step every rank agreed on
+        if report:
+            print(e, file=sys.stderr)
+        return Preempted.EXIT_STATUS
     except StorageError as e:  # raised on the rank that writes (rank 0); the others end when torchrun stops them
         print(f"error: {e}", file=sys.stderr)
         return StorageError.EXIT_STATUS

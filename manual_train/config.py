@@ -20,6 +20,7 @@ import dataclasses
 import math
 import os
 import secrets
+import signal
 import sys
 import tempfile
 import time
@@ -179,6 +180,10 @@ class Config:
     max_time: Optional[str] = arg(None, "stop at the first step boundary after this much training time in this "
                                         "launch (DD:HH:MM:SS, HH:MM:SS, MM:SS or seconds); last.pt and summary.json "
                                         "are written, --resume continues", metavar="DURATION")
+    save_on_signal: str = arg("TERM,USR1", "on these signals (Slurm's preemption notice, spot VMs, Kubernetes) "
+                                           "finish the optimizer step, save last.pt mid-epoch on every rank at once "
+                                           "and exit 75 to be requeued; none: the default action (the process "
+                                           "dies)", metavar="NAMES")
     profile: bool = arg(False, "torch.profiler over a window of optimizer steps (--profile-steps): a Chrome trace "
                                "and the top operators, in <out-dir>/profile/")
     profile_steps: Optional[str] = arg(None, "the profiled window A:B: optimizer steps A+1 to B (default: 5:10; "
@@ -230,6 +235,7 @@ class Config:
         for name in ("limit_train_batches", "limit_val_batches"):
             parse_limit(getattr(self, name), _flag(name))
         self.max_time_s()
+        self.save_signals()
         if self.profile or self.profile_steps:
             self.profile = True
             self.profile_window()
@@ -258,6 +264,21 @@ class Config:
 
     def max_time_s(self) -> Optional[float]:
         return parse_duration(self.max_time, "--max-time")
+
+    def save_signals(self) -> tuple:
+        """--save-on-signal as signal numbers (TERM or SIGTERM, comma-separated; none: ())."""
+        if self.save_on_signal.strip().lower() == "none":
+            return ()
+        found = []
+        for name in (n.strip().upper() for n in self.save_on_signal.split(",")):
+            full = name if name.startswith("SIG") else "SIG" + name
+            if full in ("SIGKILL", "SIGSTOP"):
+                raise UsageError("--save-on-signal", f"{full} cannot be caught", "TERM, USR1, USR2, HUP, or none")
+            if full not in signal.Signals.__members__ or full in ("SIGINT", "SIGCHLD"):
+                raise UsageError("--save-on-signal", f"unknown signal {name}" if full not in signal.Signals.__members__
+                                 else f"{full} is not a preemption notice", "TERM, USR1, USR2, HUP, or none")
+            found.append(signal.Signals[full])
+        return tuple(found)
 
     def profile_window(self) -> tuple[int, int]:
         """--profile-steps A:B as (A, B): optimizer steps A+1..B are recorded."""

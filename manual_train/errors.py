@@ -60,3 +60,11 @@ def os_error_in(e: BaseException) -> Optional[OSError]:
             return e
         e = e.__cause__ or e.__context__
     return None
+
+
+class Preempted(Exception):
+    """A run stopped by a preemption signal (--save-on-signal) after saving at an optimizer-step boundary: one line
+    naming the signal, the step and the checkpoint; exit status 75 (sysexits' EX_TEMPFAIL: try again), on which a
+    Slurm batch script requeues the job (docs/checkpointing.md)."""
+
+    EXIT_STATUS = 75

@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import math
 import os
+import signal
+import threading
 import statistics
 import time
 from pathlib import Path
@@ -47,12 +49,21 @@ from manual_train.checkpoint import (DCP_META, build_checkpoint, capture_rng, ch
                                      restore_rng, resume_point, save_checkpoint, save_sharded)
 from manual_train.config import UsageError
 from manual_train.distributed import DistEnv
+from manual_train.errors import Preempted
 from manual_train.early_stopping import EarlyStopping
 from manual_train.metrics import RunLog, banner, lm_numbers, progress_bar, run_summary
 from manual_train.parity import RunTrace
 from manual_train.runtime import TrainingDiverged, peak_mem_bytes
 
 LONE = DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, launched=False)
+_saved_handlers: dict = {}  # --save-on-signal: the handlers Run.start replaced, given back by restore_signal_handlers
+
+
+def restore_signal_handlers() -> None:
+    """Give back the signal handlers a run installed (its finish() does; cli.run when a run fails before it)."""
+    while _saved_handlers:
+        sig, handler = _saved_handlers.popitem()
+        signal.signal(sig, handler)
 
 
 class Run:
@@ -83,6 +94,7 @@ class Run:
         self.skipped_steps, self.data_wait_s, self.improved = 0, 0.0, False
         self._last_scale = 1.0
         self.stopping, self.stop_reason, self.val_step = False, None, None
+        self.signals, self.signalled, self.preempted = cfg.save_signals(), 0, None  # --save-on-signal
         self.keep = not cfg.fast_dev_run  # --fast-dev-run: nothing written
         self.profiler = None
         # --trace-dir (python -m manual_train.parity): the loss and weights after every optimizer step; None: no cost
@@ -134,6 +146,7 @@ class Run:
         self.start_step, self.samples_at_start, self.log_samples = step, samples_seen, samples_seen
         if self.cfg.profile:
             self.profiler = profiling.start(self.cfg.profile_window(), step, self.device, self.out_dir, env, self.log)
+        self._catch_signals()
         self.t_start = self.t_log = time.perf_counter()
         self.train_rows: list = []  # (seconds, samples, samples/s) of each train row: summary.json's compile_s
         self.max_time_s = self.cfg.max_time_s()
@@ -321,6 +334,22 @@ class Run:
         return {"precision": self.cfg.precision, "scaler": self.tracked["scaler"].state_dict(),
                 "skipped_steps": self.skipped_steps}
 
+    def _catch_signals(self) -> None:
+        """--save-on-signal: a notice only records itself (a handler may run between any two bytecodes, in a save
+        too); should_stop() turns it into a stop at a step boundary. Ranks agree over a gloo group: a CPU tensor,
+        so under nccl the per-step check adds no device sync."""
+        if not self.signals or threading.current_thread() is not threading.main_thread():
+            self.signals = ()  # (Python delivers signals to the main thread only)
+            return
+        if self.distributed:
+            self.signal_group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        for sig in self.signals:
+            _saved_handlers.setdefault(sig, signal.getsignal(sig))
+            signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum, frame) -> None:
+        self.signalled = self.signalled or signum  # the first notice counts; another one changes nothing
+
     def should_stop(self, step: int) -> bool:
         """Every step done, early stopping's decision (the same on every rank: it saw all-reduced numbers), or
         --max-time spent. The loops ask after every optimizer step and at every epoch's end; `stopping` keeps the
@@ -335,6 +364,13 @@ class Run:
             if elapsed[0] >= self.max_time_s:
                 self.stop_reason = f"--max-time {self.cfg.max_time} reached after step {step} ({elapsed[0]:.1f} s)"
                 self.log.print(f"stop: {self.stop_reason}")
+        if self.signals and not self.stopping:  # any rank's notice stops every rank after this same step
+            notice = torch.tensor([self.signalled], dtype=torch.int64)
+            if self.distributed:  # one 8-byte all-reduce per optimizer step (tens of microseconds on gloo)
+                dist.all_reduce(notice, op=dist.ReduceOp.MAX, group=self.signal_group)
+            if notice.item():
+                self.preempted, self.stop_reason = signal.Signals(int(notice.item())).name, "signal"
+                self.log.print(f"stop: {self.preempted} received; saving after step {step}")
         self.stopping = self.stopping or bool(self.stop_reason) or self.early.should_stop or step == self.total_steps
         return self.stopping
 
@@ -345,6 +381,8 @@ class Run:
         self.progress.close()
         self.wall_s = time.perf_counter() - self.t_start
         self._commit_dcp()  # an async save still in flight
+        if self.preempted:  # the notice's deadline: no loading and evaluating the best weights
+            return False
         best = self._checkpoint_path("best")
         exists = [best.exists()]
         if self.distributed:
@@ -365,6 +403,8 @@ class Run:
             profiling.stop(self.profiler)  # a run that ended inside the window still writes what it recorded
         if self.stop_reason:
             extra.setdefault("stop_reason", self.stop_reason)
+        if self.preempted:
+            extra.setdefault("signal", self.preempted)
         if self.blocked_s:  # the time the loop waited per save (bench/checkpoint_io.py: sync vs async, pt vs dcp)
             extra.setdefault("checkpoint_blocked_s", statistics.mean(self.blocked_s))
             extra.setdefault("checkpoint_blocked_s_per_save", [round(s, 6) for s in self.blocked_s])
@@ -386,6 +426,10 @@ class Run:
         self.log.print(f"done: val_acc {val_acc:.4f} val_loss {val_loss:.4f}{self._lm_text(val_loss)} after {step} steps in "
                        f"{self.wall_s:.1f} s; " + (f"outputs in {self.out_dir}" if self.keep else "no outputs kept"))
         self.log.close()
+        restore_signal_handlers()
+        if self.preempted:  # exit status 75: requeue (cli.run prints this line)
+            raise Preempted(f"stopped by {self.preempted} after step {step}: {self._checkpoint_path('last')} saved; "
+                            "requeue or rerun with --resume auto (exit status 75)")
         return summary
 
     def _steady_state(self) -> dict:

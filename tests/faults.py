@@ -3,11 +3,13 @@
 `inject(loop_module, at_step, rank, mode)` wraps the loop module's `loss_fn`: on global rank `rank`, the call
 that would start optimizer step at_step + 1 (counted in this process's micro-steps, so the runs that use it keep
 --accumulate 1) raises, kills the process with SIGKILL (no exception, no finally, no destroy_process_group), or
-returns a NaN loss (a corrupt batch on this rank alone). Only on torchrun's first attempt
+returns a NaN loss (a corrupt batch on this rank alone), or sends this process SIGTERM / SIGUSR1 and goes on (a
+preemption notice arriving in the middle of a step, on this rank alone). Only on torchrun's first attempt
 (TORCHELASTIC_RESTART_COUNT 0, or a plain process): the group torchrun restarts after it (--max-restarts) runs
 clean, which is what a transient fault, a lost node, looks like.
 
-`tests/faulty_ddp.py` is launch/ddp.py with this applied from three flags of its own.
+`tests/faulty_ddp.py` and `tests/faulty_zero.py` are launch/ddp.py and launch/zero.py with this applied from three
+flags of their own.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import math
 import os
 import signal
 
-MODES = ("raise", "kill", "nan")
+MODES = ("raise", "kill", "nan", "term", "usr1")
 
 
 def inject(loop_module, at_step: int, rank: int, mode: str) -> None:
@@ -33,6 +35,9 @@ def inject(loop_module, at_step: int, rank: int, mode: str) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         if mode == "nan":
             return real_loss_fn(logits, y) * math.nan
+        if mode in ("term", "usr1"):
+            os.kill(os.getpid(), signal.SIGTERM if mode == "term" else signal.SIGUSR1)
+            return real_loss_fn(logits, y)
         raise RuntimeError(f"injected failure on rank {rank} after {at_step} optimizer steps (--fail-at-step)")
 
     loop_module.loss_fn = loss_fn

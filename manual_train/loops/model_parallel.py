@@ -168,8 +168,10 @@ def train(cfg: MPConfig) -> dict:  # MP: the baseline's flags plus --devices, --
                     break
 
         # -------------------------------------------------------------- evaluate, stop early, checkpoint
-        # (not again at a step a mid-epoch validation has just evaluated, nor when stopping right after it)
-        if ((epoch + 1) % cfg.eval_every == 0 or epoch + 1 == num_epochs or run.stopping) and run.val_step != step:
+        # (not again at a step a mid-epoch validation has just evaluated, nor when stopping right after it; a
+        # preemption notice saves at once, unevaluated: the scheduler's SIGKILL follows it)
+        due = (epoch + 1) % cfg.eval_every == 0 or epoch + 1 == num_epochs or run.stopping
+        if due and run.val_step != step and not run.preempted:
             val_loss, val_acc = validate()  # host sync, once per eval
             run.log_val(step, epoch, val_loss, val_acc, scheduler.get_last_lr()[0])  # and early stopping
         run.save(epoch, micro_step + 1, step, samples_seen)  # last.pt every epoch (best.pt), atomically

@@ -1,0 +1,140 @@
+"""Preemption: SIGTERM or SIGUSR1 mid-epoch (what Slurm sends before its SIGKILL, and spot VMs and Kubernetes too)
+saves a checkpoint at the next optimizer-step boundary, on which every rank agrees, and exits 75 for a requeue;
+`--resume auto` then ends bit for bit where the uninterrupted run ends (manual_train/run.py, docs/checkpointing.md).
+
+The signal is real: tests/faults.py's term/usr1 modes make one rank send it to itself in the middle of an optimizer
+step (inside the loss), as a notice arriving at any moment would, and the other ranks get none. The runs compared
+are one code path on one CPU, so bit for bit holds in 32-true as in 64-true.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+import torch
+
+from conftest import final_weights, run_script, torchrun
+from manual_train import checkpoint as ckpt_io
+from manual_train.cli import run
+from manual_train.errors import Preempted
+from manual_train.loops import single
+
+SIGNAL_AT = 5  # optimizer steps done when the signal arrives: it lands in step 6, which is finished and saved
+SINGLE = ["--model", "mlp", "--epochs", "2", "--batch-size", "64", "--log-every", "2", "--no-progress"]
+DIST = ["--model", "mlp", "--epochs", "2", "--batch-size", "32", "--log-every", "2", "--no-progress"]
+
+
+def stopped_by_signal(out_dir, name: str) -> dict:
+    """The interrupted run's summary and checkpoint: stopped by `name`, saved after step SIGNAL_AT + 1, mid-epoch."""
+    summary = json.loads((out_dir / "summary.json").read_text())
+    assert summary["stop_reason"] == "signal" and summary["signal"] == name, summary
+    path = out_dir / "last.dcp" if (out_dir / "last.dcp").exists() else out_dir / "last.pt"
+    saved = ckpt_io.load_checkpoint(path, full=False)
+    assert (saved["step"], saved["epoch"]) == (SIGNAL_AT + 1, 0) and saved["progress"]["micro_steps_done"] > 0
+    assert not [p.name for p in out_dir.iterdir() if ".tmp-" in p.name]
+    return summary
+
+
+def assert_bitwise(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), \
+        max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+
+
+@pytest.mark.parametrize("mode, name, precision", [("term", "SIGTERM", "32-true"), ("usr1", "SIGUSR1", "64-true")])
+def test_one_process_saves_within_the_step_exits_75_and_resumes_bitwise(tmp_path, mode, name, precision):
+    argv = [*SINGLE, "--precision", precision]
+    assert run(single.train, script="single", argv=[*argv, "--out-dir", str(tmp_path / "full")]) == 0
+    proc = run_script("tests/faulty_single", "--fail-at-step", str(SIGNAL_AT), "--fail-mode", mode, *argv,
+                      "--out-dir", str(tmp_path / "cut"))
+    assert proc.returncode == Preempted.EXIT_STATUS == 75, proc.stderr[-3000:]
+    err = proc.stderr.strip().splitlines()
+    assert err == [f"stopped by {name} after step {SIGNAL_AT + 1}: {tmp_path / 'cut' / 'last.pt'} saved; requeue "
+                   "or rerun with --resume auto (exit status 75)"], proc.stderr[-3000:]
+    stopped_by_signal(tmp_path / "cut", name)
+    assert run(single.train, script="single", argv=[*argv, "--out-dir", str(tmp_path / "cut"), "--resume", "auto"]) == 0
+    assert_bitwise(final_weights(tmp_path / "full"), final_weights(tmp_path / "cut"))
+
+
+@pytest.mark.parametrize("script, extra", [("ddp", []), ("zero", ["--stage", "3", "--checkpoint-format", "dcp"])],
+                         ids=["ddp", "zero-fsdp2-dcp"])
+def test_a_signal_on_one_rank_stops_every_rank_at_the_same_step(tmp_path, script, extra):
+    """torchrun, 2 ranks: rank 1 alone gets SIGUSR1 during step 6. Both ranks agree after step 6 (a 1-element
+    all-reduce per step on a gloo group), save (FSDP2: each rank its DCP shards), exit 75 (torchrun then reports the
+    failed workers and exits 1, as it does for any worker status but 0); the resumed job ends where the
+    uninterrupted one does."""
+    argv = [*DIST, *extra]
+    proc = run_script(script, *argv, "--out-dir", str(tmp_path / "full"), launcher=torchrun(2))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_script(f"tests/faulty_{script}", "--fail-at-step", str(SIGNAL_AT), "--fail-rank", "1", "--fail-mode",
+                      "usr1", *argv, "--out-dir", str(tmp_path / "cut"), launcher=torchrun(2))
+    assert proc.returncode == 1 and "exitcode  : 75" in proc.stderr, proc.stderr[-3000:]
+    assert f"stopped by SIGUSR1 after step {SIGNAL_AT + 1}" in proc.stderr
+    stopped_by_signal(tmp_path / "cut", "SIGUSR1")
+    proc = run_script(script, *argv, "--out-dir", str(tmp_path / "cut"), "--resume", "auto", launcher=torchrun(2))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_bitwise(final_weights(tmp_path / "full"), final_weights(tmp_path / "cut"))
+
+
+def test_a_second_signal_while_saving_changes_nothing(tmp_path, monkeypatch):
+    """SIGTERM again while last.pt is being written (Slurm repeats its notice; a user presses twice): the save goes
+    on, the run stops once, and its checkpoint resumes to the uninterrupted weights."""
+    assert run(single.train, script="single", argv=[*SINGLE, "--out-dir", str(tmp_path / "full")]) == 0
+    real_save, real_loss, calls = ckpt_io.save_checkpoint, single.loss_fn, [0]
+
+    def loss(logits, y):
+        calls[0] += 1
+        if calls[0] == SIGNAL_AT + 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_loss(logits, y)
+
+    def save(state, path):
+        os.kill(os.getpid(), signal.SIGTERM)  # the second notice, in the middle of the save
+        real_save(state, path)
+
+    with monkeypatch.context() as m:
+        m.setattr(single, "loss_fn", loss)
+        m.setattr("manual_train.run.save_checkpoint", save)
+        assert run(single.train, script="single", argv=[*SINGLE, "--out-dir", str(tmp_path / "cut")]) == 75
+    stopped_by_signal(tmp_path / "cut", "SIGTERM")
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the run gave the handlers back
+    assert run(single.train, script="single", argv=[*SINGLE, "--out-dir", str(tmp_path / "cut"), "--resume", "auto"]) == 0
+    assert_bitwise(final_weights(tmp_path / "full"), final_weights(tmp_path / "cut"))
+
+
+def test_save_on_signal_none_leaves_the_default_and_bad_names_are_one_line(tmp_path):
+    proc = run_script("tests/faulty_single", "--fail-at-step", str(SIGNAL_AT), "--fail-mode", "term", *SINGLE,
+                      "--save-on-signal", "none", "--out-dir", str(tmp_path / "cut"))
+    assert proc.returncode == -signal.SIGTERM and not (tmp_path / "cut" / "summary.json").exists()
+    for bad, words in (("KILL", "SIGKILL cannot be caught"), ("TERM,NOPE", "unknown signal NOPE")):
+        proc = run_script("single", "--save-on-signal", bad, "--out-dir", str(tmp_path / bad))
+        err = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(err) == 1 and err[0].startswith("error: --save-on-signal: "), err
+        assert words in err[0] and not (tmp_path / bad).exists()
+
+
+def test_sigterm_to_torchrun_reaches_the_workers_which_save_and_stop(tmp_path):
+    """What Slurm's srun and Kubernetes do: SIGTERM to the torchrun agent, mid-run. The agent forwards it to its
+    workers and waits for them (30 s by default, --shutdown-timeout): they agree on a step, save and exit 75; the
+    agent then exits 1 with its own traceback (SignalException), as it does whenever it is signalled."""
+    import subprocess
+    import time
+
+    from conftest import REPO
+
+    out = tmp_path / "run"
+    cmd = [*torchrun(2), str(REPO / "launch" / "ddp.py"), "--model", "mlp", "--epochs", "30", "--log-every", "1",
+           "--no-progress", "--out-dir", str(out)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
+    deadline = time.monotonic() + 600
+    while not (out / "metrics.csv").exists() or len((out / "metrics.csv").read_text().splitlines()) < 4:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-3000:]
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    output = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 1 and "stopped by SIGTERM after step" in output, output[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert (summary["stop_reason"], summary["signal"]) == ("signal", "SIGTERM")
+    saved = ckpt_io.load_checkpoint(out / "last.pt")
+    assert saved["step"] == summary["optimizer_steps"] < 30 * 47  # stopped long before its end
