@@ -13,7 +13,7 @@ import torch
 from torch.utils.data import Dataset
 from torchvision.transforms import v2 as T
 
-from conftest import make_cfg
+from conftest import assert_same_path_bitwise, make_cfg
 from manual_train import data
 from manual_train.loops import single
 from manual_train.models import DataInfo
@@ -83,7 +83,7 @@ def resumed_vs_uninterrupted(tmp_path, monkeypatch, per_sample: bool) -> tuple[d
 
 def test_a_mid_epoch_resume_with_augmentation_in_two_workers_is_bitwise(tmp_path, monkeypatch):
     full, resumed = resumed_vs_uninterrupted(tmp_path, monkeypatch, per_sample=True)
-    assert all(torch.equal(full[k], resumed[k]) for k in full)  # one code path, one CPU: bit for bit
+    assert_same_path_bitwise(full, resumed, "resumed mid-epoch with 2 workers")
 
 
 def test_without_per_sample_seeds_the_same_resume_differs(tmp_path, monkeypatch):

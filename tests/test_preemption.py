@@ -15,7 +15,7 @@ import signal
 import pytest
 import torch
 
-from conftest import final_weights, run_script, torchrun
+from conftest import assert_same_path_bitwise, final_weights, run_script, torchrun
 from manual_train import checkpoint as ckpt_io
 from manual_train.cli import run
 from manual_train.errors import Preempted
@@ -37,11 +37,6 @@ def stopped_by_signal(out_dir, name: str) -> dict:
     return summary
 
 
-def assert_bitwise(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), \
-        max((a[k].double() - b[k].double()).abs().max().item() for k in a)
-
-
 @pytest.mark.parametrize("mode, name, precision", [("term", "SIGTERM", "32-true"), ("usr1", "SIGUSR1", "64-true")])
 def test_one_process_saves_within_the_step_exits_75_and_resumes_bitwise(tmp_path, mode, name, precision):
     argv = [*SINGLE, "--precision", precision]
@@ -54,7 +49,7 @@ def test_one_process_saves_within_the_step_exits_75_and_resumes_bitwise(tmp_path
                    "or rerun with --resume auto (exit status 75)"], proc.stderr[-3000:]
     stopped_by_signal(tmp_path / "cut", name)
     assert run(single.train, script="single", argv=[*argv, "--out-dir", str(tmp_path / "cut"), "--resume", "auto"]) == 0
-    assert_bitwise(final_weights(tmp_path / "full"), final_weights(tmp_path / "cut"))
+    assert_same_path_bitwise(final_weights(tmp_path / "full"), final_weights(tmp_path / "cut"), "resumed")
 
 
 @pytest.mark.parametrize("script, extra", [("ddp", []), ("zero", ["--stage", "3", "--checkpoint-format", "dcp"])],
@@ -74,7 +69,7 @@ def test_a_signal_on_one_rank_stops_every_rank_at_the_same_step(tmp_path, script
     stopped_by_signal(tmp_path / "cut", "SIGUSR1")
     proc = run_script(script, *argv, "--out-dir", str(tmp_path / "cut"), "--resume", "auto", launcher=torchrun(2))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert_bitwise(final_weights(tmp_path / "full"), final_weights(tmp_path / "cut"))
+    assert_same_path_bitwise(final_weights(tmp_path / "full"), final_weights(tmp_path / "cut"), "resumed")
 
 
 def test_a_second_signal_while_saving_changes_nothing(tmp_path, monkeypatch):
@@ -100,7 +95,7 @@ def test_a_second_signal_while_saving_changes_nothing(tmp_path, monkeypatch):
     stopped_by_signal(tmp_path / "cut", "SIGTERM")
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the run gave the handlers back
     assert run(single.train, script="single", argv=[*SINGLE, "--out-dir", str(tmp_path / "cut"), "--resume", "auto"]) == 0
-    assert_bitwise(final_weights(tmp_path / "full"), final_weights(tmp_path / "cut"))
+    assert_same_path_bitwise(final_weights(tmp_path / "full"), final_weights(tmp_path / "cut"), "resumed")
 
 
 def test_save_on_signal_none_leaves_the_default_and_bad_names_are_one_line(tmp_path):
