@@ -73,22 +73,24 @@ def train(tmp_path, name, per_sample: bool, monkeypatch, crash_at: int = 0, **fl
     return torch.load(tmp_path / name / "last.pt", weights_only=True)
 
 
-def resumed_vs_uninterrupted(tmp_path, monkeypatch, per_sample: bool) -> tuple[dict, dict]:
+def resumed_vs_uninterrupted(tmp_path, monkeypatch, capsys, per_sample: bool) -> tuple[dict, dict]:
     full = train(tmp_path, "full", per_sample, monkeypatch)
     crashed = train(tmp_path, "resumed", per_sample, monkeypatch, crash_at=CRASH_AT)
     assert (crashed["epoch"], crashed["progress"]["micro_steps_done"]) == (1, 3)  # step 27: mid-epoch 2
+    capsys.readouterr()
     resumed = train(tmp_path, "resumed", per_sample, monkeypatch, resume="auto")
+    assert "at step 27, in epoch 2" in capsys.readouterr().out  # a resume, not a rerun from scratch
     return full["model"], resumed["model"]
 
 
-def test_a_mid_epoch_resume_with_augmentation_in_two_workers_is_bitwise(tmp_path, monkeypatch):
-    full, resumed = resumed_vs_uninterrupted(tmp_path, monkeypatch, per_sample=True)
+def test_a_mid_epoch_resume_with_augmentation_in_two_workers_is_bitwise(tmp_path, monkeypatch, capsys):
+    full, resumed = resumed_vs_uninterrupted(tmp_path, monkeypatch, capsys, per_sample=True)
     assert_same_path_bitwise(full, resumed, "resumed mid-epoch with 2 workers")
 
 
-def test_without_per_sample_seeds_the_same_resume_differs(tmp_path, monkeypatch):
+def test_without_per_sample_seeds_the_same_resume_differs(tmp_path, monkeypatch, capsys):
     """The check's power: the workers' own streams (what cifar10 had before) make the resumed run differ."""
-    full, resumed = resumed_vs_uninterrupted(tmp_path, monkeypatch, per_sample=False)
+    full, resumed = resumed_vs_uninterrupted(tmp_path, monkeypatch, capsys, per_sample=False)
     assert max((full[k] - resumed[k]).abs().max().item() for k in full) > 1e-4
 
 

@@ -38,7 +38,7 @@ def stopped_by_signal(out_dir, name: str) -> dict:
 
 
 @pytest.mark.parametrize("mode, name, precision", [("term", "SIGTERM", "32-true"), ("usr1", "SIGUSR1", "64-true")])
-def test_one_process_saves_within_the_step_exits_75_and_resumes_bitwise(tmp_path, mode, name, precision):
+def test_one_process_saves_within_the_step_exits_75_and_resumes_bitwise(tmp_path, capsys, mode, name, precision):
     argv = [*SINGLE, "--precision", precision]
     assert run(single.train, script="single", argv=[*argv, "--out-dir", str(tmp_path / "full")]) == 0
     proc = run_script("tests/faulty_single", "--fail-at-step", str(SIGNAL_AT), "--fail-mode", mode, *argv,
@@ -48,7 +48,9 @@ def test_one_process_saves_within_the_step_exits_75_and_resumes_bitwise(tmp_path
     assert err == [f"stopped by {name} after step {SIGNAL_AT + 1}: {tmp_path / 'cut' / 'last.pt'} saved; requeue "
                    "or rerun with --resume auto (exit status 75)"], proc.stderr[-3000:]
     stopped_by_signal(tmp_path / "cut", name)
+    capsys.readouterr()
     assert run(single.train, script="single", argv=[*argv, "--out-dir", str(tmp_path / "cut"), "--resume", "auto"]) == 0
+    assert f"at step {SIGNAL_AT + 1}, in epoch 1" in capsys.readouterr().out  # a resume, not a rerun from scratch
     assert_same_path_bitwise(final_weights(tmp_path / "full"), final_weights(tmp_path / "cut"), "resumed")
 
 
@@ -68,7 +70,7 @@ def test_a_signal_on_one_rank_stops_every_rank_at_the_same_step(tmp_path, script
     assert f"stopped by SIGUSR1 after step {SIGNAL_AT + 1}" in proc.stderr
     stopped_by_signal(tmp_path / "cut", "SIGUSR1")
     proc = run_script(script, *argv, "--out-dir", str(tmp_path / "cut"), "--resume", "auto", launcher=torchrun(2))
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0 and f"at step {SIGNAL_AT + 1}, in epoch 1" in proc.stdout, proc.stderr[-3000:]
     assert_same_path_bitwise(final_weights(tmp_path / "full"), final_weights(tmp_path / "cut"), "resumed")
 
 

@@ -92,6 +92,7 @@ def test_a_failed_checkpoint_write_is_one_line_and_the_previous_one_stays(tmp_pa
     whole_rows(out / "metrics.csv")
     if error == errno.ENOSPC:  # the disk has room again: the run goes on from epoch 1 and ends where it would have
         assert train(out, "--resume", "auto") == 0
+        assert f"at step {first_epoch_step}, in epoch 2" in capsys.readouterr().out  # resumed, not rerun
         assert_same_path_bitwise(final_weights(out), final_weights(uninterrupted), "resumed after the fault")
 
 
@@ -163,5 +164,5 @@ def test_a_real_full_disk_through_the_script(small_tmpfs, uninterrupted):
     assert no_temporary_files(out) and torch.load(out / "last.pt", weights_only=True)["epoch"] == 1
     (small_tmpfs / "filler").unlink()  # space freed: the resume ends where the uninterrupted run did
     proc = run_script("single", *ARGS, "--out-dir", str(out), "--resume", "auto")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0 and "in epoch 2" in proc.stdout, proc.stderr[-3000:]  # resumed, not rerun
     assert_same_path_bitwise(final_weights(out), final_weights(uninterrupted), "resumed after the full disk")
