@@ -100,8 +100,9 @@ def what_is_intact(path: Path) -> str:
     """For a failed save: what `path` still holds (the write never touched it)."""
     if not Path(path).exists():
         return f"no {Path(path).name} was written before it"
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)  # the tensors stay on disk
+    try:  # (a dcp link: its folder's metadata; a file: mapped, the tensors stay on disk)
+        ckpt = (load_checkpoint(path, full=False) if Path(path).is_dir() else
+                torch.load(path, map_location="cpu", weights_only=True, mmap=True))
         micro, epoch = ckpt["progress"]["micro_steps_done"], int(ckpt["epoch"])
         where = f"epoch {epoch + 1}, mid-epoch" if micro else f"after epoch {epoch}"
         return f"the previous {Path(path).name} ({where}, step {ckpt['step']}) is intact"

@@ -53,8 +53,9 @@ def run(train: Callable[[Config], dict], config_cls=Config, *, script: str, doc:
         if report:
             print(e, file=sys.stderr)
         return Preempted.EXIT_STATUS
-    except StorageError as e:  # raised on the rank that writes (rank 0); the others end when torchrun stops them
-        print(f"error: {e}", file=sys.stderr)
+    except StorageError as e:  # on rank 0 (a .pt: the others end when torchrun stops them), or on all (dcp shards)
+        if report:
+            print(f"error: {e}", file=sys.stderr)
         return StorageError.EXIT_STATUS
     except KeyboardInterrupt:
         if report:

@@ -52,12 +52,17 @@ class StorageError(Exception):
 
 def os_error_in(e: BaseException) -> Optional[OSError]:
     """The OSError with an errno behind `e`, itself or in its chain (torch.save reports a failed write as a
-    RuntimeError from its zip writer, raised while handling the file object's OSError), else None."""
+    RuntimeError from its zip writer, raised while handling the file object's OSError; DCP gathers every rank's
+    exceptions into a CheckpointException), else None."""
     seen = set()
     while e is not None and id(e) not in seen:
         seen.add(id(e))
         if isinstance(e, OSError) and e.errno is not None:
             return e
+        for failure, _ in getattr(e, "failures", {}).values():  # DCP's CheckpointException: every rank's failure
+            found = os_error_in(failure)
+            if found is not None:
+                return found
         e = e.__cause__ or e.__context__
     return None
 

@@ -31,8 +31,10 @@ names once it is complete (_save_dcp, _commit_dcp; docs/checkpointing.md).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+import shutil
 import signal
 import threading
 import statistics
@@ -46,10 +48,10 @@ import torch.distributed as dist
 from manual_train import profiling
 from manual_train.checkpoint import (DCP_META, build_checkpoint, capture_rng, check_compatible, first_line,
                                      link_atomically, load_checkpoint, load_sharded, read_dcp_full, remove_unlinked_dcp,
-                                     restore_rng, resume_point, save_checkpoint, save_sharded)
+                                     restore_rng, resume_point, save_checkpoint, save_sharded, what_is_intact)
 from manual_train.config import UsageError
 from manual_train.distributed import DistEnv
-from manual_train.errors import Preempted
+from manual_train.errors import Preempted, StorageError, os_error_in
 from manual_train.early_stopping import EarlyStopping
 from manual_train.metrics import RunLog, banner, lm_numbers, progress_bar, run_summary
 from manual_train.parity import RunTrace
@@ -281,7 +283,8 @@ class Run:
                 micro_steps_done=0 if epoch_done else micro_steps_done, step=step, samples_seen=samples_seen,
                 best=self.best, rng_per_rank=rng_per_rank, script=self.script, **extra)
             if self.dcp:  # everything but the shards, in the (not yet linked) folder
-                save_checkpoint({**checkpoint, "format": "dcp", "rest": rest}, folder / DCP_META)
+                with self._shards_into(folder):
+                    save_checkpoint({**checkpoint, "format": "dcp", "rest": rest}, folder / DCP_META)
             else:
                 save_checkpoint(checkpoint, self.out_dir / "last.pt")
                 if self.improved:
@@ -305,10 +308,25 @@ class Run:
                 self.async_group = dist.new_group(backend="gloo")
         folder = self.out_dir / name[0]
         folder.mkdir(exist_ok=True)
-        rest, future = save_sharded(*self.tracked["model"].sharded, folder,
-                                    async_group=self.async_group if self.async_save else None)
+        with self._shards_into(folder):  # a disk that refuses them: one line, every rank (DCP raises on all)
+            rest, future = save_sharded(*self.tracked["model"].sharded, folder,
+                                        async_group=self.async_group if self.async_save else None)
         self.pending = (future, folder, links)
         return rest, folder
+
+    @contextlib.contextmanager
+    def _shards_into(self, folder: Path):
+        """A write of the DCP folder that the file system refuses becomes StorageError, the folder removed (it was
+        never linked: last.dcp still names the previous one)."""
+        try:
+            yield
+        except BaseException as e:
+            fault = os_error_in(e)
+            if fault is None:
+                raise
+            shutil.rmtree(folder, ignore_errors=True)
+            raise StorageError(f"{self.out_dir / 'last.dcp'} (new shards in {folder.name})", fault,
+                               intact=what_is_intact(self.out_dir / "last.dcp")) from None
 
     def _commit_dcp(self) -> None:
         """Wait for the save in flight, then rank 0 points last.dcp (best.dcp) at its folder: a link replaced
@@ -317,7 +335,8 @@ class Run:
             return
         future, folder, links = self.pending
         if future is not None:
-            future.result()  # this rank's shards on disk (rank 0's: also DCP's .metadata, written last)
+            with self._shards_into(folder):
+                future.result()  # this rank's shards on disk (rank 0's: also DCP's .metadata, written last)
         if self.distributed:
             dist.barrier()  # every rank's shards on disk
         if self.env.master_process:

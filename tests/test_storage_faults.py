@@ -166,3 +166,25 @@ def test_a_real_full_disk_through_the_script(small_tmpfs, uninterrupted):
     proc = run_script("single", *ARGS, "--out-dir", str(out), "--resume", "auto")
     assert proc.returncode == 0 and "in epoch 2" in proc.stdout, proc.stderr[-3000:]  # resumed, not rerun
     assert_same_path_bitwise(final_weights(out), final_weights(uninterrupted), "resumed after the full disk")
+
+
+def test_dcp_shards_the_disk_refuses_under_torchrun(small_tmpfs):
+    """ZeRO FSDP2 with --checkpoint-format dcp, 2 ranks, on a tmpfs with 450 KB left: epoch 1's shards fit (304 KB
+    in all, measured 2026-12-03), epoch 2's do not beside them (the old folder goes once the new one is linked). DCP raises on every rank at once; each prints nothing but local rank 0's one line, the
+    half-written folder is removed, last.dcp still names epoch 1's, and the resume continues from it."""
+    from conftest import torchrun
+
+    out = small_tmpfs / "run"
+    free = os.statvfs(small_tmpfs).f_bavail * os.statvfs(small_tmpfs).f_frsize
+    (small_tmpfs / "filler").write_bytes(b"\0" * (free - 450 * 1024))
+    argv = ["--stage", "3", "--checkpoint-format", "dcp", "--model", "mlp", "--epochs", "3", "--batch-size", "32",
+            "--no-progress", "--out-dir", str(out)]
+    proc = run_script("zero", *argv, launcher=torchrun(2))
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert proc.returncode == 1 and "exitcode  : 74" in proc.stderr, proc.stderr[-3000:]
+    assert len(lines) == 1 and lines[0].startswith(f"error: disk full writing {out / 'last.dcp'} (new shards in "), lines
+    assert "the previous last.dcp (after epoch 1, step 24) is intact" in lines[0], lines
+    assert [p.name for p in out.iterdir() if p.name.startswith(".dcp-")] == [os.readlink(out / "last.dcp")]
+    (small_tmpfs / "filler").unlink()
+    proc = run_script("zero", *argv, "--resume", "auto", launcher=torchrun(2))
+    assert proc.returncode == 0 and "at step 24, in epoch 2" in proc.stdout, proc.stderr[-3000:]
