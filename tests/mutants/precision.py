@@ -94,7 +94,7 @@ MUTANTS = [
         name="precision-amp-schedule-steps-on-skip",
         technique="precision",
         file="manual_train/loops/single.py",
-        old="                if run.stepped(scaler):  # a skipped step does not advance the schedule",
+        old="                if run.stepped(scaler, loss_sum):  # a skipped step does not advance the schedule",
         new="                if True:  # a skipped step does not advance the schedule",
         says="scheduler.step() after every window, also when GradScaler skipped optimizer.step() on an overflow: "
              "the schedule runs ahead of the weights (torch warns 'lr_scheduler.step() before optimizer.step()').",
