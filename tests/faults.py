@@ -41,3 +41,21 @@ def inject(loop_module, at_step: int, rank: int, mode: str) -> None:
         raise RuntimeError(f"injected failure on rank {rank} after {at_step} optimizer steps (--fail-at-step)")
 
     loop_module.loss_fn = loss_fn
+
+
+def main(loop_module, script: str, default_mode: str, config_cls=None, defaults: dict = None) -> int:
+    """A launch script with a fault injected: its own three flags, then the loop's as launch/<script>.py takes them
+    (tests/faulty_single.py, faulty_ddp.py, faulty_zero.py are this, for their loop)."""
+    import argparse
+
+    from manual_train.cli import run
+    from manual_train.config import Config
+
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    parser.add_argument("--fail-at-step", type=int, required=True, help="optimizer steps done when it fails")
+    parser.add_argument("--fail-rank", type=int, default=0, help="the global rank that fails")
+    parser.add_argument("--fail-mode", choices=MODES, default=default_mode)
+    fault, rest = parser.parse_known_args()
+    inject(loop_module, fault.fail_at_step, fault.fail_rank, fault.fail_mode)
+    return run(loop_module.train, config_cls or Config, script=script, doc=loop_module.__doc__, argv=rest,
+               **(defaults or {}))
