@@ -54,10 +54,11 @@ def test_one_process_saves_within_the_step_exits_75_and_resumes_bitwise(tmp_path
     assert_same_path_bitwise(final_weights(tmp_path / "full"), final_weights(tmp_path / "cut"), "resumed")
 
 
-@pytest.mark.parametrize("script, extra", [("ddp", []), ("zero", ["--stage", "3", "--checkpoint-format", "dcp"])],
-                         ids=["ddp", "zero-fsdp2-dcp"])
-def test_a_signal_on_one_rank_stops_every_rank_at_the_same_step(tmp_path, script, extra):
-    """torchrun, 2 ranks: rank 1 alone gets SIGUSR1 during step 6. Both ranks agree after step 6 (a 1-element
+@pytest.mark.parametrize("script, extra, mode", [("ddp", [], "term"),
+                                                 ("zero", ["--stage", "3", "--checkpoint-format", "dcp"], "usr1")],
+                         ids=["ddp-sigterm", "zero-fsdp2-dcp-sigusr1"])
+def test_a_signal_on_one_rank_stops_every_rank_at_the_same_step(tmp_path, script, extra, mode):
+    """torchrun, 2 ranks: rank 1 alone gets the signal during step 6. Both ranks agree after step 6 (a 1-element
     all-reduce per step on a gloo group), save (FSDP2: each rank its DCP shards), exit 75 (torchrun then reports the
     failed workers and exits 1, as it does for any worker status but 0); the resumed job ends where the
     uninterrupted one does."""
@@ -65,10 +66,11 @@ def test_a_signal_on_one_rank_stops_every_rank_at_the_same_step(tmp_path, script
     proc = run_script(script, *argv, "--out-dir", str(tmp_path / "full"), launcher=torchrun(2))
     assert proc.returncode == 0, proc.stderr[-3000:]
     proc = run_script(f"tests/faulty_{script}", "--fail-at-step", str(SIGNAL_AT), "--fail-rank", "1", "--fail-mode",
-                      "usr1", *argv, "--out-dir", str(tmp_path / "cut"), launcher=torchrun(2))
+                      mode, *argv, "--out-dir", str(tmp_path / "cut"), launcher=torchrun(2))
     assert proc.returncode == 1 and "exitcode  : 75" in proc.stderr, proc.stderr[-3000:]
-    assert f"stopped by SIGUSR1 after step {SIGNAL_AT + 1}" in proc.stderr
-    stopped_by_signal(tmp_path / "cut", "SIGUSR1")
+    name = "SIGTERM" if mode == "term" else "SIGUSR1"
+    assert f"stopped by {name} after step {SIGNAL_AT + 1}" in proc.stderr
+    stopped_by_signal(tmp_path / "cut", name)
     proc = run_script(script, *argv, "--out-dir", str(tmp_path / "cut"), "--resume", "auto", launcher=torchrun(2))
     assert proc.returncode == 0 and f"at step {SIGNAL_AT + 1}, in epoch 1" in proc.stdout, proc.stderr[-3000:]
     assert_same_path_bitwise(final_weights(tmp_path / "full"), final_weights(tmp_path / "cut"), "resumed")
