@@ -150,10 +150,12 @@ def small_tmpfs(tmp_path):
         subprocess.run(["umount", "-l", str(disk)], check=False)
 
 
-def test_a_real_full_disk_through_the_script(small_tmpfs, uninterrupted):
-    """The issue's case: launch/single.py with its out dir on a small tmpfs that fills in epoch 2. Room is left
-    for epoch 1's two checkpoints and the rows, not for epoch 2's temporary last.pt."""
-    out = small_tmpfs / "run"
+def test_a_real_full_disk_through_the_script(small_tmpfs, tmp_path):
+    """launch/single.py with its out dir on a small tmpfs that fills in epoch 2. Room is left for epoch 1's two
+    checkpoints and the rows, not for epoch 2's temporary last.pt. The uninterrupted run is a launch script too
+    (this pytest process may compute with another number of threads: fp32 sums in another order)."""
+    out, uninterrupted = small_tmpfs / "run", tmp_path / "ref"
+    assert run_script("single", *ARGS, "--out-dir", str(uninterrupted)).returncode == 0
     ckpt_bytes = (uninterrupted / "last.pt").stat().st_size
     free = os.statvfs(small_tmpfs).f_bavail * os.statvfs(small_tmpfs).f_frsize
     (small_tmpfs / "filler").write_bytes(b"\0" * (free - 2 * ckpt_bytes - ckpt_bytes // 2))
