@@ -74,12 +74,19 @@ def restore_rng(state: dict) -> None:
 
 
 def save_checkpoint(state: dict, path: Path) -> None:
-    """torch.save to a temporary file beside `path`, fsync, then os.replace: all or nothing."""
+    """torch.save, all or nothing (write_atomically)."""
+    write_atomically(path, lambda f: torch.save(state, f))
+
+
+def write_atomically(path: Path, write: Callable, intact: Optional[str] = None) -> None:
+    """`write(f)` into a temporary file beside `path` (opened "wb"), fsync, then os.replace: all or nothing. A write
+    the file system refuses is StorageError, the temporary file removed; `intact` says what is left (by default what
+    the previous file at `path` holds). Checkpoints, summary.json and a resume's metrics.csv are written so."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
-            torch.save(state, f)
+            write(f)
             f.flush()
             os.fsync(f.fileno())  # the bytes are on disk before the name points at them
         os.replace(tmp, path)  # atomic on POSIX: readers see the old file or the new, never half
@@ -93,7 +100,7 @@ def save_checkpoint(state: dict, path: Path) -> None:
         fault = os_error_in(e)
         if fault is None:
             raise
-        raise StorageError(path, fault, intact=what_is_intact(path)) from None
+        raise StorageError(path, fault, intact=what_is_intact(path) if intact is None else intact) from None
 
 
 def what_is_intact(path: Path) -> str:

@@ -20,7 +20,7 @@ from typing import Optional
 
 from tqdm import tqdm
 
-from manual_train.checkpoint import remove_stale_temp_files
+from manual_train.checkpoint import remove_stale_temp_files, write_atomically
 from manual_train.config import UsageError
 from manual_train.errors import StorageError
 
@@ -58,16 +58,6 @@ def _last_step(rows: str, before: Optional[int]) -> Optional[int]:
     return int(last.split(",", 1)[0]) if last[:1].isdigit() else before
 
 
-def _write_whole(tmp: Path, path: Path, text: str, intact: str) -> None:
-    """`text` into `path` all or nothing: written to `tmp` beside it, then renamed over it."""
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise StorageError(path, e, intact=intact) from None
-
-
 class RunLog:
     """metrics.csv rows, console lines, optional TensorBoard scalars and summary.json, on rank 0."""
 
@@ -94,8 +84,8 @@ class RunLog:
             # cannot take the copy leaves the old file whole.
             with open(path, newline="") as f:
                 header.writerows(row for row in csv.DictReader(f) if int(row["step"]) <= resume_step)
-            tmp = self.out_dir / f".metrics.csv.tmp-{os.getpid()}"
-            _write_whole(tmp, path, self._line.getvalue(), f"the previous {path.name} is untouched")
+            rows = self._line.getvalue().encode()
+            write_atomically(path, lambda f: f.write(rows), intact=f"the previous {path.name} is untouched")
             self._fd = os.open(path, os.O_WRONLY | os.O_APPEND)
             self._size, self.last_step = os.fstat(self._fd).st_size, _last_step(self._line.getvalue(), None)
         else:
@@ -153,9 +143,10 @@ class RunLog:
             return
         missing = [k for k in SUMMARY_KEYS if k not in summary]
         assert not missing, f"summary lacks {missing}"
-        tmp, path = self.out_dir / f".summary.json.tmp-{os.getpid()}", self.out_dir / "summary.json"
+        path = self.out_dir / "summary.json"
         intact = "the previous summary.json is intact" if path.exists() else "the checkpoints and metrics.csv are intact"
-        _write_whole(tmp, path, json.dumps(_finite_or_none(summary), indent=2) + "\n", intact)
+        text = json.dumps(_finite_or_none(summary), indent=2) + "\n"
+        write_atomically(path, lambda f: f.write(text.encode()), intact=intact)
 
     def close(self) -> None:
         if not self.writes:

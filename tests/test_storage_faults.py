@@ -117,16 +117,15 @@ def test_a_row_the_disk_refuses_is_cut_off_and_the_rows_before_it_stay_whole(tmp
 
 
 def test_a_summary_the_disk_refuses_leaves_no_file_and_says_what_is_intact(tmp_path, capsys, monkeypatch):
-    out, real = tmp_path / "run", pathlib.Path.write_text
+    out, real = tmp_path / "run", os.fsync
 
-    def write_text(self, data, *args, **kwargs):
-        if self.name.startswith(".summary.json.tmp-"):
-            real(self, data[:10], *args, **kwargs)
+    def fsync(fd):  # the written bytes reach the disk at fsync: where a full disk reports itself for buffered writes
+        if os.path.basename(os.readlink(f"/proc/self/fd/{fd}")).startswith(".summary.json.tmp-"):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return real(self, data, *args, **kwargs)
+        return real(fd)
 
     with monkeypatch.context() as m:
-        m.setattr(pathlib.Path, "write_text", write_text)
+        m.setattr(os, "fsync", fsync)
         assert train(out) == 74
     line = one_error_line(capsys)
     assert line.startswith(f"error: disk full writing {out / 'summary.json'}; the checkpoints and metrics.csv are "
