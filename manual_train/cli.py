@@ -18,7 +18,8 @@ def run(train: Callable[[Config], dict], config_cls=Config, *, script: str, doc:
     """Exit status: 0 done (or a resumed run that was already finished), 1 training diverged (last good
     checkpoint kept), 2 bad input, 74 a write the file system refused (disk full, I/O error, read-only; what is
     intact is said, nothing half-written is left under a final name), 75 stopped by a --save-on-signal signal
-    after saving (requeue, or rerun with --resume auto), 130 Ctrl-C. A run that fails before its first log row leaves no folder.
+    after saving (requeue, or rerun with --resume auto), 130 Ctrl-C. A run that fails before its first log row
+    leaves no folder.
 
     Under torchrun every rank meets the same bad flag or the same all-reduced NaN: local rank 0 prints
     the one line for its node, the other ranks exit with the same status silently. torchrun itself then

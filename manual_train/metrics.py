@@ -144,7 +144,8 @@ class RunLog:
         missing = [k for k in SUMMARY_KEYS if k not in summary]
         assert not missing, f"summary lacks {missing}"
         path = self.out_dir / "summary.json"
-        intact = "the previous summary.json is intact" if path.exists() else "the checkpoints and metrics.csv are intact"
+        intact = ("the previous summary.json is intact" if path.exists()
+                  else "the checkpoints and metrics.csv are intact")
         text = json.dumps(_finite_or_none(summary), indent=2) + "\n"
         write_atomically(path, lambda f: f.write(text.encode()), intact=intact)
 

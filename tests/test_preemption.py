@@ -78,7 +78,7 @@ def test_a_signal_on_one_rank_stops_every_rank_at_the_same_step(tmp_path, script
     assert_same_path_bitwise(final_weights(tmp_path / "full"), final_weights(tmp_path / "cut"), "resumed")
 
 
-def test_a_second_signal_while_saving_changes_nothing(tmp_path, monkeypatch):
+def test_a_second_signal_while_saving_changes_nothing(tmp_path, monkeypatch, capsys):
     """SIGTERM again while last.pt is being written (Slurm repeats its notice; a user presses twice): the save goes
     on, the run stops once, and its checkpoint resumes to the uninterrupted weights."""
     assert run(single.train, script="single", argv=[*SINGLE, "--out-dir", str(tmp_path / "full")]) == 0
@@ -100,7 +100,10 @@ def test_a_second_signal_while_saving_changes_nothing(tmp_path, monkeypatch):
         assert run(single.train, script="single", argv=[*SINGLE, "--out-dir", str(tmp_path / "cut")]) == 75
     stopped_by_signal(tmp_path / "cut", "SIGTERM")
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the run gave the handlers back
-    assert run(single.train, script="single", argv=[*SINGLE, "--out-dir", str(tmp_path / "cut"), "--resume", "auto"]) == 0
+    resume = [*SINGLE, "--out-dir", str(tmp_path / "cut"), "--resume", "auto"]
+    capsys.readouterr()
+    assert run(single.train, script="single", argv=resume) == 0
+    assert f"at step {SIGNAL_AT + 1}, in epoch 1" in capsys.readouterr().out  # a resume, not a rerun from scratch
     assert_same_path_bitwise(final_weights(tmp_path / "full"), final_weights(tmp_path / "cut"), "resumed")
 
 
