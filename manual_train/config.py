@@ -151,6 +151,8 @@ class Config:
     monitor: str = arg("val_loss", "metric for early stopping and best.pt", choices=("val_loss", "val_acc"))
     early_stop_patience: int = arg(10, "stop after N evaluations without improvement (0: never)", min=0)
     early_stop_min_delta: float = arg(0.0, "smallest change of --monitor that counts as improvement", min=0)
+    stop_at: Optional[float] = arg(None, "stop once --monitor reaches VALUE (val_acc >= VALUE, val_loss <= VALUE): "
+                                         "training to a target, Lightning's stopping_threshold", metavar="VALUE")
     restore_best: bool = arg(False, "reload the best weights at the end (from best.pt's copy)")
     log_every: int = arg(10, "optimizer steps between training-loss rows (each is one host sync)", min=1)
     progress: bool = arg(True, "tqdm progress bar on rank 0")

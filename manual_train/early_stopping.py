@@ -13,8 +13,10 @@ import math
 
 
 class EarlyStopping:
-    def __init__(self, monitor: str = "val_loss", patience: int = 10, min_delta: float = 0.0):
+    def __init__(self, monitor: str = "val_loss", patience: int = 10, min_delta: float = 0.0,
+                 stop_at: float | None = None):
         assert monitor in ("val_loss", "val_acc"), monitor
+        self.stop_at = stop_at  # --stop-at: a target; reaching it ends the run (Lightning's stopping_threshold)
         self.monitor = monitor
         self.mode = "min" if monitor == "val_loss" else "max"  # lower loss is better, higher accuracy is
         self.patience = patience  # 0 disables stopping (best.pt is still tracked)
@@ -36,11 +38,14 @@ class EarlyStopping:
             improved = value < self.best - self.min_delta
         else:
             improved = value > self.best + self.min_delta
+        if self.stop_at is not None and (value <= self.stop_at if self.mode == "min" else value >= self.stop_at):
+            self.should_stop = True
+            self.reason = f"target reached: {self.monitor} {value:.4f} at epoch {epoch + 1} (--stop-at {self.stop_at:g})"
         if improved:
             self.best, self.best_epoch, self.wait = value, epoch, 0
             return True
         self.wait += 1
-        if self.patience and self.wait >= self.patience:
+        if self.patience and self.wait >= self.patience and not self.should_stop:
             self.should_stop = True
             self.reason = (f"{self.monitor} did not improve by more than {self.min_delta:g} "
                            f"for {self.wait} evaluations (best {self.best:.4f} at epoch {self.best_epoch + 1})")

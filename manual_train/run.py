@@ -91,7 +91,7 @@ class Run:
         self.language_model = cfg.dataset == "pydoc"  # bits per byte and perplexity beside the loss (text.py)
         self.async_save = self.dcp and getattr(cfg, "async_checkpoint", False)
         self.async_group, self.pending, self.blocked_s = None, None, []
-        self.early = EarlyStopping(cfg.monitor, cfg.early_stop_patience, cfg.early_stop_min_delta)
+        self.early = EarlyStopping(cfg.monitor, cfg.early_stop_patience, cfg.early_stop_min_delta, cfg.stop_at)
         self.tracked: dict = {}
         self.skipped_steps, self.data_wait_s, self.improved = 0, 0.0, False
         self._last_scale = 1.0

@@ -47,6 +47,15 @@ def test_a_non_finite_metric_stops_at_once():
         assert stopped == 1 and improved == [True, False] and "val_loss is" in es.reason
 
 
+@pytest.mark.parametrize("monitor, values, stop_at, stopped", [
+    ("val_acc", [0.5, 0.8, 0.97, 0.99], 0.95, 2), ("val_acc", [0.5, 0.8, 0.94], 0.95, None),
+    ("val_loss", [1.0, 0.3, 0.2], 0.3, 1), ("val_loss", [1.0, 0.31], 0.3, None)])
+def test_stop_at_ends_at_the_first_evaluation_that_reaches_the_target(monitor, values, stop_at, stopped):
+    es = EarlyStopping(monitor, patience=0, stop_at=stop_at)
+    assert feed(es, values)[1] == stopped
+    assert ("target reached" in es.reason) == (stopped is not None)
+
+
 def test_patience_zero_never_stops():
     es = EarlyStopping("val_loss", patience=0)
     _, stopped = feed(es, [1.0] + [2.0] * 50)
@@ -71,6 +80,12 @@ def test_a_run_with_tiny_patience_stops_early_and_says_so(tmp_path):
     assert on_disk["stopped_early"] is True and on_disk["best_epoch"] == 1 and on_disk["epochs_run"] == 2  # 1-based
     assert summary["optimizer_steps"] == 2 * 47
     assert (tmp_path / "run" / "best.pt").exists() and (tmp_path / "run" / "last.pt").exists()
+
+
+def test_a_run_with_stop_at_stops_at_its_target_and_says_so(tmp_path):
+    summary = single.train(make_cfg(tmp_path, epochs=6, monitor="val_acc", stop_at=0.5))
+    assert summary["stopped_early"] and summary["epochs_run"] < 6
+    assert summary["stop_reason"].startswith("target reached: val_acc") and summary["final_val_acc"] >= 0.5
 
 
 def test_a_resumed_run_continues_the_patience_count(tmp_path):
