@@ -114,14 +114,15 @@ def setup(env: DistEnv, device: torch.device, backend: str = "auto", timeout_s: 
 
 
 @contextmanager
-def process_group(cfg) -> Iterator[tuple[DistEnv, torch.device]]:
+def process_group(cfg, bind_device: bool = True) -> Iterator[tuple[DistEnv, torch.device]]:
     """`with process_group(cfg) as (env, device):` who this process is (torchrun's environment) and its device, inside
-    the process group. The device (cuda:LOCAL_RANK) is bound before init_process_group (setup), and the group is left
+    the process group (--backend, --dist-timeout-s). The device (cfg.rank_device: cuda:LOCAL_RANK) is bound before
+    init_process_group (setup; bind_device=False for a rank that drives several devices), and the group is left
     on every exit path (teardown): destroy_process_group frees the communicators and lets a process join another
     group later. Under plain python, a group of one: the same code path everywhere."""
     env = read_env()
-    device = pick_device(cfg.device, env)
-    setup(env, device, cfg.backend, cfg.dist_timeout_s)
+    device = cfg.rank_device(env)
+    setup(env, device, cfg.backend, cfg.dist_timeout_s, bind_device)
     try:
         yield env, device
     finally:
@@ -255,8 +256,17 @@ class DDPConfig(Config):
                  "--find-unused-parameters": self.find_unused_parameters}
         return [flag for flag, set_ in given.items() if set_]
 
-    def ddp_kwargs(self, device: torch.device) -> dict:
-        """DistributedDataParallel's keyword arguments for this run: this rank's GPU (None on the CPU) and DDP's own
+    def rank_device(self, env: DistEnv) -> torch.device:
+        """This rank's device, which process_group makes the current one: cpu, or cuda:LOCAL_RANK (pick_device)."""
+        return pick_device(self.device, env)
+
+    def on_cuda(self) -> bool:
+        """Whether this run trains on CUDA devices (nccl, --sync-bn and the GPU-per-rank checks depend on it)."""
+        return self.device.startswith("cuda") or (self.device == "auto" and torch.cuda.is_available())
+
+    def ddp_kwargs(self, device: Optional[torch.device]) -> dict:
+        """DistributedDataParallel's keyword arguments for this run: this rank's GPU (None on the CPU, and None for a
+        module that spans several devices, device=None: DDP then leaves the inputs where they are) and DDP's own
         knobs. Each keeps the weights bit for bit (docs/ddp_knobs.md has what each buys and costs, measured):
         bucket_cap_mb (small buckets start sending sooner but cost more calls), gradient_as_bucket_view (.grad
         lives in its bucket: one copy less), static_graph (the same parameters every step: buckets planned once),
@@ -268,7 +278,7 @@ class DDPConfig(Config):
     def validate(self) -> None:
         super().validate()
         env = read_env()
-        on_cuda = self.device.startswith("cuda") or (self.device == "auto" and torch.cuda.is_available())
+        on_cuda = self.on_cuda()
         if self.backend == "nccl" and not on_cuda:
             raise UsageError("--backend", "nccl needs CUDA devices; this run uses the CPU", "auto, gloo")
         if self.sync_bn and not on_cuda:
@@ -279,6 +289,11 @@ class DDPConfig(Config):
             if value is not None and self.comm_hook != "powersgd":
                 raise UsageError(flag, f"is PowerSGD's; this run uses --comm-hook {self.comm_hook}",
                                  "--comm-hook powersgd, or leave it out")
+        if self.static_graph and self.accumulate > 1:  # measured: torch 2.14, gloo, ddp.py and hybrid.py ddp-mp
+            raise UsageError("--static-graph", f"with --accumulate {self.accumulate} fails in torch 2.14: the first "
+                                               "backward runs inside no_sync(), and DDP's static graph asserts "
+                                               "(expect_autograd_hooks_; pytorch/pytorch#143580)",
+                             "--accumulate 1, or leave it out")
         if on_cuda and env.world_size > 1:
             # Checked here, identically on every local rank, rather than by the one rank that finds no GPU.
             if self.device.startswith("cuda:"):
@@ -290,9 +305,9 @@ class DDPConfig(Config):
                                  f"at most {torch.cuda.device_count()}, or --device cpu")
 
 
-def device_ids(device: torch.device) -> Optional[list]:
-    """DDP's device_ids: this rank's GPU, or None on the CPU."""
-    return [device.index] if device.type == "cuda" else None
+def device_ids(device: Optional[torch.device]) -> Optional[list]:
+    """DDP's device_ids: this rank's GPU, or None on the CPU and for a module on several devices (device None)."""
+    return [device.index] if device is not None and device.type == "cuda" else None
 
 
 def sync_batchnorm(model: torch.nn.Module, cfg: DDPConfig) -> torch.nn.Module:

@@ -1,6 +1,7 @@
 """The hybrid's plumbing, decided once (loops/hybrid.py is the lesson; docs/hybrid.md).
 
-  HybridConfig ...... the baseline's flags plus --mode, --devices and --impl, and their one-line checks
+  HybridConfig ...... launch/ddp.py's flags (DDPConfig: --backend, --dist-timeout-s, DDP's knobs) plus --mode,
+                      --devices and --impl, and their one-line checks; DDP's knobs under ddp-mp only
   device_groups ..... the encoder's devices (group_a) and the decoder's (group_b), from --devices and torchrun
   split_model ....... the mode applied to an unmodified seq2seq model: dp-mp, each half data-parallel over its
                       group (parallel.hybrid_dp_mp, the source article's form); ddp-mp, the halves on this
@@ -13,11 +14,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from manual_train import parallel
-from manual_train.config import Config, arg
-from manual_train.distributed import DistEnv, read_env
+from manual_train.config import arg
+from manual_train.distributed import DDPConfig, DistEnv, read_env
 from manual_train.errors import UsageError
 from manual_train.runtime import peak_mem_bytes
 
@@ -27,8 +29,8 @@ DEFAULTS = dict(dataset="reverse", model="seq2seq", optimizer="adamw", lr=3e-3, 
 
 
 @dataclass
-class HybridConfig(Config):
-    """Config plus the mode, the device list and (dp-mp) the data-parallel implementation."""
+class HybridConfig(DDPConfig):
+    """The DDP loop's flags plus the mode, the device list and (dp-mp) the data-parallel implementation."""
 
     mode: str = arg("dp-mp", "dp-mp: one process, encoder data-parallel over the first half of --devices, "
                              "decoder over the second; ddp-mp: one process per device pair (torchrun), the split "
@@ -70,17 +72,32 @@ class HybridConfig(Config):
                                           "takes two per local rank", "cpu,cpu, or 2 x --nproc_per_node GPUs")
         return [devices[2 * env.local_rank]], [devices[2 * env.local_rank + 1]]
 
+    def rank_device(self, env: DistEnv) -> torch.device:
+        """The current device of this rank (the encoder's first; the loop joins the group without binding it)."""
+        return self.device_groups(env)[0][0]
+
+    def on_cuda(self) -> bool:
+        """--devices decides, not --device (DDPConfig's checks of --backend nccl read this)."""
+        return self.device_groups(read_env())[0][0].type == "cuda"
+
     def validate(self) -> None:
-        super().validate()
+        if self.device != "auto":
+            raise UsageError("--device", "hybrid.py places the model with --devices, not --device", "auto")
+        if self.sync_bn:  # before DDPConfig's CUDA-only check, whose advice (--device cuda) is not hybrid.py's
+            raise UsageError("--sync-bn", "the hybrid's seq2seq has no BatchNorm layers to synchronise",
+                             "leave it out")
+        super().validate()  # the baseline's checks, then DDPConfig's: --backend against --devices, PowerSGD's flags
         if self.model != "seq2seq":
             raise UsageError("--model", f"the hybrid splits seq2seq's encoder and decoder; {self.model} has no such "
                                         "halves", "seq2seq (with --dataset reverse)")
-        if self.device != "auto":
-            raise UsageError("--device", "hybrid.py places the model with --devices, not --device", "auto")
         env = read_env()
         if self.mode == "dp-mp" and env.world_size > 1:
             raise UsageError("--mode", "dp-mp is one process driving every device; under torchrun use ddp-mp",
                              "ddp-mp")
+        if self.mode == "dp-mp" and self.knobs_set():  # DDP's constructor arguments and comm hooks, as ZeroConfig
+            raise UsageError(self.knobs_set()[0], "is a knob of DDP's all-reduce between processes; dp-mp is one "
+                                                  "process (DataParallel inside each half), whose group of one sends "
+                                                  "nothing", "--mode ddp-mp, or leave it out")
         if self.mode == "ddp-mp" and self.impl != "torch":
             raise UsageError("--impl", "ddp-mp's data parallelism is DDP; --impl chooses dp-mp's", "torch")
         group_a, group_b = self.device_groups(env)
@@ -88,9 +105,9 @@ class HybridConfig(Config):
                 "cpu" in {group_a[0].type, group_b[0].type}:
             raise UsageError("--devices", "nn.DataParallel takes only CUDA devices when CUDA is available",
                              "cuda:N lists, or --impl explicit for cpu lists")
-        if self.precision not in ("32-true", "64-true") and group_a[0].type != group_b[0].type:
-            raise UsageError("--precision", f"{self.precision} autocasts one device type; the encoder's "
-                                            f"{group_a[0]} and the decoder's {group_b[0]} differ", "32-true")
+        if group_a[0].type != group_b[0].type:  # (and autocast's one device type fits both halves)
+            raise UsageError("--devices", f"the encoder's {group_a[0]} and the decoder's {group_b[0]} differ in kind; "
+                                          "DDP wraps the split and takes devices of one kind", "all cpu or all cuda:N")
         if self.batch_size < max(len(group_a), len(group_b)):
             raise UsageError("--batch-size", f"{self.batch_size} cannot be split over {len(group_a)} devices",
                              f">= {len(group_a)}")
@@ -110,7 +127,8 @@ def describe(cfg: HybridConfig, group_a: list, group_b: list, env: DistEnv) -> s
     """The console line under the banner: where each half runs."""
     where = f"hybrid {cfg.mode}: encoder on {','.join(map(str, group_a))}, decoder on {','.join(map(str, group_b))}"
     if cfg.mode == "ddp-mp":
-        return where + f" (rank 0 of {env.world_size}; each rank its own pair)"
+        return where + (f" (rank 0 of {env.world_size}; each rank its own pair; process group {dist.get_backend()}, "
+                        f"collectives time out after {cfg.dist_timeout_s:g} s)")
     where += f", data parallel: {cfg.impl} (a process group of one: DDP over it averages over this one process)"
     if cfg.impl == "torch" and not torch.cuda.is_available():
         where += ("\nno CUDA here: nn.DataParallel ignores device_ids and calls each half directly (the seq2seq "

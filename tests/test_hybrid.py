@@ -4,7 +4,9 @@ dp-mp (one process, DataParallel inside each half; like every run of the loop a 
 over the split averaging over that one process) trains the baseline's weights, and each wrapper holds its own half
 (the source article wraps the encoder twice). ddp-mp under torchrun: 2 ranks with batch b train the
 weights of one process with batch 2b, and evaluate exactly. One torchrun launch in all, and one job of 2 ranks
-(tests/jobs.py) for a training set the ranks do not divide (61 samples: shards 31/30, no repeats).
+(tests/jobs.py) for a training set the ranks do not divide (61 samples: shards 31/30, no repeats), which also runs
+ddp-mp with launch/ddp.py's --backend, --dist-timeout-s and DDP's exact knobs (HybridConfig is a DDPConfig; the
+knobs are refused under dp-mp, --sync-bn everywhere: test_bad_input_is_one_line).
 
 The parity proofs run in 64-true (float64; docs/parity.md) within PARITY_TOL_64 = 1e-9, over two epochs: dp-mp on
 test_mp.SEQ_PARITY's horizon (205 samples, 42 SGD steps, each epoch's last batch 5 = 3 + 2 over a group of two),
@@ -163,8 +165,9 @@ def test_ddp_mp_two_ranks_equal_one_process_with_twice_the_batch(tmp_path):
     out_dir = tmp_path / "ddp"
     argv = [f"--{k.replace('_', '-')}={v}" for k, v in common.items() if k not in ("max_steps", "batch_size")]
     result = run_script("hybrid", "--mode", "ddp-mp", "--batch-size", "10", "--no-progress", "--out-dir",
-                        str(out_dir), *argv, launcher=torchrun(2))
+                        str(out_dir), "--backend", "gloo", "--dist-timeout-s", "120", *argv, launcher=torchrun(2))
     assert result.returncode == 0, result.stderr[-3000:]
+    assert "process group gloo, collectives time out after 120 s" in result.stdout  # launch/ddp.py's flags, taken
     ref, ref_summary = train_state(single, Config, tmp_path, "single", **dict(common, batch_size=20))
     ranks = load_model_state(out_dir)
     assert all(v.dtype == torch.float64 for v in ranks.values())
@@ -199,20 +202,46 @@ def padded_train_sampler(dataset, seed, world_size=1, rank=0, pad=False):
     return real_train_sampler(dataset, seed, world_size, rank, pad=True)
 
 
+# launch/ddp.py's process-group flags and DDP's exact knobs, all at once (tiny buckets: several of them)
+KNOBS = dict(backend="gloo", dist_timeout_s=120.0, bucket_cap_mb=0.05, gradient_as_bucket_view=True,
+             static_graph=True, find_unused_parameters=True)
+
+
+class _RecordingDDP(hybrid.DDP):
+    """The loop's DDP, keeping each instance (test-only: to read what DDP was given)."""
+
+    made: list = []
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        _RecordingDDP.made.append(self)
+
+
 def _uneven_scenario(name: str, world_size: int, rank: int, out) -> dict:
-    flags = dict(UNEVEN, accumulate=2 if name == "uneven_accumulate" else 1)
+    flags = dict(UNEVEN, accumulate=2 if name == "uneven_accumulate" else 1, **(KNOBS if name == "knobs" else {}))
+    joined, real_init = {}, dist.init_process_group
+
+    def recording_init(*args, **kwargs):  # what the process group is created with, then the real thing
+        joined.update(backend=kwargs["backend"], timeout_s=kwargs["timeout"].total_seconds())
+        return real_init(*args, **kwargs)
+
     with pytest.MonkeyPatch.context() as patch:
         if name == "padded":  # the known-wrong variant: the same loop with pad=True
             patch.setattr(hybrid.data, "train_sampler", padded_train_sampler)
+        patch.setattr(dist, "init_process_group", recording_init)
+        patch.setattr(hybrid, "DDP", _RecordingDDP)
         summary = hybrid.train(make_cfg(out / name, hybrid.HybridConfig, mode="ddp-mp", devices="cpu,cpu", **flags))
-    return {k: summary[k] for k in ("final_val_loss", "final_val_acc", "optimizer_steps", "samples_seen",
-                                    "global_batch_size")}
+    logged = _RecordingDDP.made[-1]._get_ddp_logging_data()
+    return {"group": joined, "ddp": {k: logged.get(k) for k in ("bucket_cap_bytes", "gradient_as_bucket_view",
+                                                                 "static_graph", "find_unused_parameters")},
+            **{k: summary[k] for k in ("final_val_loss", "final_val_acc", "optimizer_steps", "samples_seen",
+                                       "global_batch_size")}}
 
 
 @pytest.fixture(scope="module")
 def uneven_job(tmp_path_factory):
     out = tmp_path_factory.mktemp("uneven2")
-    return out, run_job(_uneven_scenario, 2, out, ["uneven", "uneven_accumulate", "padded"],
+    return out, run_job(_uneven_scenario, 2, out, ["uneven", "uneven_accumulate", "padded", "knobs"],
                         ["manual_train.loops.hybrid"])
 
 
@@ -241,6 +270,21 @@ def test_ddp_mp_on_a_set_the_ranks_do_not_divide_equals_one_process(uneven_job, 
     for r in results:  # every rank's evaluation of the full validation set
         assert r[scenario]["final_val_acc"] == ref_summary["final_val_acc"]  # 15 samples, shards 8/7
         assert r[scenario]["final_val_loss"] == pytest.approx(ref_summary["final_val_loss"], rel=1e-9)
+
+
+def test_ddp_mp_joins_with_ddp_py_s_group_flags_and_keeps_the_weights_under_ddp_s_knobs(uneven_job, uneven_single):
+    """--backend gloo and --dist-timeout-s 120 reach init_process_group on every rank (the default: 1800 s), DDP's
+    exact knobs reach the DDP over the split (its logging data: a 0.05 MiB bucket cap, views, static graph, the unused
+    search), and the weights stay the single process's: 64-true within 1e-9 on the 61 samples above."""
+    out, results = uneven_job
+    ref, ref_summary = uneven_single[1]
+    for r in results:
+        assert r["knobs"]["group"] == {"backend": "gloo", "timeout_s": 120.0}
+        assert r["uneven"]["group"]["timeout_s"] == 1800.0
+        assert r["knobs"]["ddp"] == {"bucket_cap_bytes": int(0.05 * 2 ** 20), "gradient_as_bucket_view": 1,
+                                     "static_graph": 1, "find_unused_parameters": 1}
+        assert r["knobs"]["optimizer_steps"] == ref_summary["optimizer_steps"]
+    assert_cross_path_64(load_model_state(out / "knobs" / "run"), ref, "ddp-mp 2 x 10 with DDP's exact knobs")
 
 
 def test_ddp_mp_with_the_samplers_padding_fails_the_same_check(uneven_job, uneven_single):
@@ -292,6 +336,19 @@ def test_bad_input_is_one_line(tmp_path, capsys, monkeypatch):
         (["--dataset", "digits", "--model", "mlp"], "error: --model: the hybrid splits seq2seq's encoder and "
                                                     "decoder; mlp has no such halves (allowed: seq2seq (with "
                                                     "--dataset reverse))"),
+        # launch/ddp.py's flags that do not apply: DDP's knobs under dp-mp, --sync-bn anywhere
+        *[(knob, f"error: {knob[0]}: is a knob of DDP's all-reduce between processes; dp-mp is one process "
+                 "(DataParallel inside each half), whose group of one sends nothing (allowed: --mode ddp-mp, or leave "
+                 "it out)") for knob in (["--bucket-cap-mb", "1"], ["--gradient-as-bucket-view"], ["--static-graph"],
+                                         ["--find-unused-parameters"], ["--comm-hook", "fp16"])],
+        *[(mode + ["--sync-bn"], "error: --sync-bn: the hybrid's seq2seq has no BatchNorm layers to synchronise "
+                                 "(allowed: leave it out)") for mode in ([], ["--mode", "ddp-mp"])],
+        (["--mode", "ddp-mp", "--static-graph", "--accumulate", "2"], "error: --static-graph: with --accumulate 2 "
+         "fails in torch 2.14: the first backward runs inside no_sync(), and DDP's static graph asserts "
+         "(expect_autograd_hooks_; pytorch/pytorch#143580) (allowed: --accumulate 1, or leave it out)"),
+        (["--mode", "ddp-mp", "--devices", "cpu,cpu", "--backend", "nccl"], "error: --backend: nccl needs CUDA "
+                                                                            "devices; this run uses the CPU (allowed: "
+                                                                            "auto, gloo)"),
     ]
     for argv, line in cases:
         out_dir = tmp_path / "never"

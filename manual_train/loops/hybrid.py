@@ -9,7 +9,8 @@
 `diff manual_train/loops/single.py manual_train/loops/hybrid.py` is the lesson; every changed line is marked
 HYBRID: the split (hybrid_setup.split_model, by --mode) and loops/ddp.py's recipe around it. N ranks with
 --batch-size b train the weights of one process with N*b, on any set size. What each change does: docs/hybrid.md.
-HybridConfig is in manual_train/hybrid_setup.py; DEFAULTS are launch/mp.py's task and budget.
+HybridConfig (manual_train/hybrid_setup.py) is a DDPConfig: --backend, --dist-timeout-s, and DDP's knobs under
+ddp-mp (dp-mp refuses them; --sync-bn is refused: seq2seq has no BatchNorm). DEFAULTS: launch/mp.py's task and budget.
 """
 # <<< HYBRID
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP  # HYBRID
 
 from manual_train import data
-from manual_train.distributed import DistEnv, all_sum, read_env, setup, teardown  # HYBRID
+from manual_train.distributed import DistEnv, all_sum, process_group, with_comm_hook  # HYBRID
 from manual_train.evaluation import evaluate
 from manual_train.models import build_model_from, correct_count, loss_fn
 from manual_train.optim import build_optimizer, build_scheduler, scaled_lr
@@ -36,16 +37,10 @@ __all__ = ["DEFAULTS", "HybridConfig", "train"]
 
 
 def train(cfg: HybridConfig) -> dict:
-    # who this process is and its devices; join the group (plain python: a group of one, as loops/ddp.py) and
-    # leave it on every exit path. Not bound to one GPU: DDP broadcasts on both of the pair's devices, and the
-    # sums live on the decoder's.
-    env = read_env()
-    group_a, group_b = cfg.device_groups(env)  # the encoder's devices, the decoder's
-    setup(env, group_a[0], bind_device=False)
-    try:
-        return train_rank(cfg, env, group_a, group_b)
-    finally:
-        teardown()
+    # the process group as loops/ddp.py joins it (--backend, --dist-timeout-s; plain python: a group of one), left on
+    # every exit path; not bound to one GPU: DDP broadcasts on both of the pair's devices, the sums use the decoder's
+    with process_group(cfg, bind_device=False) as (env, _):
+        return train_rank(cfg, env, *cfg.device_groups(env))  # the encoder's devices, the decoder's
 
 
 def train_rank(cfg: HybridConfig, env: DistEnv, group_a: list, group_b: list) -> dict:
@@ -80,9 +75,9 @@ def train_rank(cfg: HybridConfig, env: DistEnv, group_a: list, group_b: list) ->
     torch.manual_seed(cfg.seed)  # right before building: the same --seed gives the same weights in every loop
     raw_model = build_model_from(cfg, info).to(param_dtype(cfg.precision))  # HYBRID: the split places it
     # >>> HYBRID: each half moved once, to its device (token ids: 64-true casts none). DDP over the split without
-    # device_ids (it spans two devices), as loops/ddp.py otherwise; dp-mp is a group of one: the average of one
-    # (docs/hybrid.md, "--mode ddp-mp")
-    model = DDP(split_model(cfg, raw_model, group_a, group_b))
+    # device_ids (it spans two devices), with loops/ddp.py's knobs (ddp-mp); dp-mp is a group of one: the average of
+    # one (docs/hybrid.md, "--mode ddp-mp")
+    model = with_comm_hook(DDP(split_model(cfg, raw_model, group_a, group_b), **cfg.ddp_kwargs(device=None)), cfg)
     seed_everything(cfg.seed + env.rank)  # the weights are equal now; each rank draws its own random numbers
     # <<< HYBRID
     optimizer = build_optimizer(cfg, raw_model.parameters(), lr)
