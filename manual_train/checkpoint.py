@@ -42,7 +42,7 @@ REQUIRED_KEYS = ("model", "optimizer", "scheduler", "scaler", "epoch", "step", "
 # logging, evaluation and --precision, may change freely.)
 MUST_MATCH = ("model", "dataset", "synthetic_size", "synthetic_shape", "synthetic_classes", "optimizer", "lr",
               "lr_scaling", "base_batch_size", "weight_decay", "grad_clip", "grad_clip_value", "schedule",
-              "warmup_steps", "seed", "dropout", "limit_train_batches")
+              "warmup_steps", "seed", "dropout", "limit_train_batches", "loss")
 
 
 class RunFinished(Exception):

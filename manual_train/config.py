@@ -97,6 +97,9 @@ class Config:
     model: str = arg("cnn", "model to train (seq2seq only with --dataset reverse; gpt with reverse or pydoc); "
                             "yours: docs/your-model.md",
                      metavar="{" + ",".join(MODELS) + "} or PACKAGE.MODULE:CALLABLE")
+    loss: Optional[str] = arg(None, "your loss, called as loss(logits, y, reduction='mean'|'sum') like "
+                                    "F.cross_entropy (default: the mean cross-entropy); docs/your-model.md",
+                              metavar="PACKAGE.MODULE:CALLABLE")
     activation_checkpointing: str = arg("none", "recompute activations in backward instead of keeping them, per "
                                                 "block (gpt, resnet18): full, or selective (matmul and attention "
                                                 "outputs kept); less memory for more time", choices=CHECKPOINTING)
@@ -155,6 +158,8 @@ class Config:
                                          "training to a target, Lightning's stopping_threshold", metavar="VALUE")
     restore_best: bool = arg(False, "reload the best weights at the end (from best.pt's copy)")
     log_every: int = arg(10, "optimizer steps between training-loss rows (each is one host sync)", min=1)
+    train_acc: bool = arg(True, "the training rows' accuracy: one argmax per micro-step on the device "
+                                "(--no-train-acc: none, acc is nan; Lightning logs none unless asked)")
     progress: bool = arg(True, "tqdm progress bar on rank 0")
     tensorboard: bool = arg(False, "also write TensorBoard events (needs the tensorboard package)")
     out_dir: Optional[str] = arg(None, "run folder (default: runs/<script>-<YYYYmmdd-HHMMSS>-<6 random hex "
@@ -323,6 +328,8 @@ class Config:
             elif value not in names:
                 raise UsageError(flag, f"invalid choice: {value!r}", ", ".join(repr(n) for n in names) +
                                  ", or PACKAGE.MODULE:CALLABLE")
+        if self.loss is not None:
+            plugins.load(self.loss, "--loss")
         if plugins.is_spec(self.model) and self.dropout:
             raise UsageError("--dropout", f"a plug-in model builds its own dropout; {self.model} is not given this "
                                           "flag", "0")

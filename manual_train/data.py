@@ -284,6 +284,8 @@ def build_datasets(cfg: Config) -> tuple[Dataset, Dataset, DataInfo]:
         plugins.check_fits(cfg, info, train)
     else:
         check_input_fits(cfg.model, info, "--synthetic-shape" if cfg.dataset == "synthetic" else "--model")
+    if cfg.loss is not None:  # your loss: called on random logits against real targets, its contract checked
+        plugins.check_loss(cfg, info, train)
     return train, val, info
 
 

@@ -40,7 +40,8 @@ class EarlyStopping:
             improved = value > self.best + self.min_delta
         if self.stop_at is not None and (value <= self.stop_at if self.mode == "min" else value >= self.stop_at):
             self.should_stop = True
-            self.reason = f"target reached: {self.monitor} {value:.4f} at epoch {epoch + 1} (--stop-at {self.stop_at:g})"
+            self.reason = (f"target reached: {self.monitor} {value:.4f} at epoch {epoch + 1} "
+                           f"(--stop-at {self.stop_at:g})")
         if improved:
             self.best, self.best_epoch, self.wait = value, epoch, 0
             return True

@@ -27,7 +27,8 @@ from manual_train.config import PRECISIONS, Config, arg, check_device_name, chec
 from manual_train.distributed import all_sum, pick_device, read_env, setup, teardown
 from manual_train.errors import UsageError
 from manual_train.evaluation import evaluate
-from manual_train.models import build_model
+from manual_train.models import build_model, loss_fn
+from manual_train.plugins import build_loss
 from manual_train.precision import CastInputs, autocast_for, param_dtype
 
 
@@ -89,7 +90,8 @@ def evaluate_checkpoint(args: EvalArgs) -> dict:
         raw_model = build_model(cfg.model, info, cfg.dropout).to(param_dtype(cfg.precision)).to(device)
         raw_model.load_state_dict(ckpt["model"])  # copies into the model's dtype (a 64-true state into fp32 too)
         model = CastInputs(raw_model) if cfg.precision == "64-true" else raw_model
-        sums = evaluate(model, loader, device, autocast_for(cfg.precision, device), args.eval_mode)
+        criterion = build_loss(cfg, loss_fn)  # the checkpoint's --loss, or the mean cross-entropy
+        sums = evaluate(model, loader, device, autocast_for(cfg.precision, device), args.eval_mode, criterion)
         loss_total, correct, count = all_sum(*sums, device=device)
         return {"split": args.split, "loss": (loss_total / count).item(), "acc": (correct / count).item(),
                 "samples": int(count.item()), "checkpoint": str(args.checkpoint), "step": int(ckpt["step"]),

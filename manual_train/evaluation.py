@@ -14,14 +14,13 @@ from __future__ import annotations
 from contextlib import nullcontext
 
 import torch
-import torch.nn.functional as F
-
-from manual_train.models import IGNORE, correct_count
+from manual_train.models import IGNORE, correct_count, loss_fn
 
 
-def evaluate(model, loader, device: torch.device, autocast=nullcontext, eval_mode: str = "no_grad"):
+def evaluate(model, loader, device: torch.device, autocast=nullcontext, eval_mode: str = "no_grad", criterion=loss_fn):
     """(loss_sum, correct, count) over the loader, as float64 device tensors (no host sync). `autocast()` is
-    the training loop's context (torch.autocast under 16-mixed / bf16-mixed)."""
+    the training loop's context (torch.autocast under 16-mixed / bf16-mixed); `criterion` the loop's loss (--loss),
+    called with reduction="sum"."""
     was_training = model.training
     model.eval()  # BatchNorm uses running statistics, dropout is off
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
@@ -35,7 +34,7 @@ def evaluate(model, loader, device: torch.device, autocast=nullcontext, eval_mod
                 logits = model(x)
             # the loss in fp32 at least (fp16/bf16 logits are upcast; 64-true's stay float64)
             logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-            loss_sum += F.cross_entropy(logits.flatten(0, -2), y.flatten(), reduction="sum")
+            loss_sum += criterion(logits, y, reduction="sum")
             correct += correct_count(logits, y)
             count += (y != IGNORE).sum()  # targets: a text's padded positions have none
     model.train(was_training)

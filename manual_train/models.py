@@ -357,15 +357,27 @@ def _build_model(name: str, info: DataInfo, dropout: float) -> nn.Module:
 IGNORE = -100  # a target that is none (a text's padding): F.cross_entropy's ignore_index
 
 
-def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy over every target: (B, C) vs (B,) for images, (B, L, V) vs (B, L) for tokens (IGNORE: none)."""
-    return F.cross_entropy(logits.flatten(0, -2), y.flatten(), ignore_index=IGNORE)
+def loss_fn(logits: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Mean cross-entropy over every target: (B, C) vs (B,) for images, (B, L, V) vs (B, L) for tokens (IGNORE: none);
+    reduction="sum": their sum (evaluation's). A --loss of yours replaces it (plugins.build_loss)."""
+    return F.cross_entropy(logits.flatten(0, -2), y.flatten(), ignore_index=IGNORE, reduction=reduction)
 
 
 def correct_count(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Number of correct predictions, as a device tensor (no host sync). Every training step calls it: eq_ writes
     into argmax's fresh int64 result instead of allocating a bool tensor (one allocation less per step)."""
     return logits.argmax(-1).eq_(y).sum()
+
+
+def log_sums(losses: list, predictions: list, labels: list, device: torch.device) -> tuple:
+    """A log row's sums from what the loop kept since the last row, on the device (no host sync): the micro-steps'
+    detached, weighted losses summed, and their argmax predictions' matches with the labels (NaN without
+    --train-acc). Two or three tensor ops per row instead of six per micro-step (docs/loop_overhead.md)."""
+    loss_sum = torch.stack(losses).sum() if losses else torch.zeros((), device=device)
+    if not predictions:
+        return loss_sum, torch.full((), math.nan, device=device)
+    flat = torch.cat([p.flatten() for p in predictions]), torch.cat([t.flatten() for t in labels])  # text: any length
+    return loss_sum, flat[0].eq_(flat[1]).sum()
 
 
 IMAGE_MODELS = ("mlp", "cnn", "resnet18")

@@ -40,8 +40,8 @@ from typing import Optional
 
 FORMAT = 1
 TOL_64 = 1e-9  # weights, 64-true: tests/conftest.py's PARITY_TOL_64
-# The loops' loss_sum is a float32 running sum over up to --log-every steps: a step's loss, read as its increase,
-# carries the rounding of the whole sum (~1e-7 x log_every relative). The weights decide; the loss catches logging bugs.
+# A step's loss is the sum of its micro-steps' weighted losses (float32 outside 64-true: ~1e-7 relative rounding,
+# summed in another order on another path). The weights decide; the loss catches logging bugs.
 LOSS_RTOL = 1e-5
 FULL_EVERY_ELEMENTS = 1_000_000  # models up to this many numbers keep their full state every step
 FULL_EVERY_LARGE = 50  # above: every 50th step (and the checksums every step)
@@ -138,12 +138,12 @@ def record(model, step: int, out_dir, loss=None) -> None:
 class RunTrace:
     """--trace-dir inside manual_train.run.Run: the tracked model's full state after every optimizer step (its
     state_dict() is the checkpoints' one, which gathers the shards of ZeRO, FSDP2, TP and pipeline stages: every rank
-    calls it, rank 0 writes) and the step's loss from the loop's running loss_sum (its increase since the previous
-    step, summed over the ranks and divided as the loop divides it when it logs)."""
+    calls it, rank 0 writes) and the step's loss from the loop's list of detached micro-step losses (those added
+    since the previous step, summed over the ranks and divided as the loop divides them when it logs)."""
 
     def __init__(self, run):
-        self.run, self.writer, self.prev = run, None, None
-        # what the loops divide the all-summed loss_sum by: every rank holds a share x its replicas (DDP, ZeRO,
+        self.run, self.writer, self.seen = run, None, 0
+        # what the loops divide the all-summed losses by: every rank holds a share x its replicas (DDP, ZeRO,
         # hybrid, TP), except the pipeline, where the last stage alone holds the loss
         self.loss_ranks = 1 if run.script == "pipeline" else run.env.world_size
 
@@ -162,23 +162,26 @@ class RunTrace:
             self.writer = TraceWriter(cfg.trace_dir, meta)
         self._record(None)
 
-    def stepped(self, loss_sum) -> None:
+    def stepped(self, losses) -> None:
+        """`losses`: the loop's list of detached micro-step losses since its last log row (each already weighted by
+        its share of the window); this step's are the ones added since the previous call."""
         self.step += 1
         loss = None
-        if loss_sum is not None:
-            now = loss_sum.detach().double()
-            delta = now - self.prev if self.prev is not None else now
-            self.prev = now.clone()
+        if losses is not None:
+            import torch
+
+            new, self.seen = losses[self.seen:], len(losses)
+            delta = sum(part.detach().double() for part in new) if new else torch.zeros((), dtype=torch.float64)
             if self.run.distributed:
                 from manual_train.distributed import all_sum
 
-                (delta,) = all_sum(delta, device=delta.device)
+                (delta,) = all_sum(delta, device=delta.device if new else self.run.device)
             loss = (delta / self.loss_ranks).item()
         self._record(loss)
 
     def window_logged(self) -> None:
-        """log_train: the loop zeroes loss_sum after it."""
-        self.prev = None
+        """log_train: the loop starts a new list after it."""
+        self.seen = 0
 
     def _record(self, loss) -> None:
         state = self.run.tracked["model"].state_dict()  # every rank (a gather for sharded models); {} off rank 0

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from manual_train.checkpoint import FullState
 from manual_train.config import UsageError, arg
 from manual_train.distributed import DDPConfig, DistEnv, read_env
-from manual_train.models import GPT, GPT_LAYERS, IGNORE, compile_forward, correct_count
+from manual_train.models import GPT, GPT_LAYERS, IGNORE, compile_forward
 
 
 
@@ -55,6 +55,9 @@ class PipelineConfig(DDPConfig):
         if self.model != "gpt":
             raise UsageError("--model", f"the pipeline splits the GPT's blocks; {self.model} has none",
                              "gpt (with --dataset reverse)")
+        if self.loss is not None:
+            raise UsageError("--loss", "the pipeline's last stage computes the cross-entropy in micro-batch shares "
+                                       "(pipelining.share); another loss is not built there", "no --loss")
         if self.dp != 1:
             raise UsageError("--dp", "pipeline x data parallel is not built here (each stage would need its own DDP "
                                      "group and the tied embedding a group per replica)", "1")
@@ -132,8 +135,8 @@ class Pipeline(nn.Module):
     def step(self, x, y, weight: float, targets: int, autocast):
         """Forward and backward of every micro-batch of (x, y), which holds `targets` targets; gradients accumulate
         into .grad, scaled so that they add up to `weight` x the batch's mean-loss gradient (the baseline's
-        `(loss * weight).backward()`). Returns (the batch's mean loss, correct predictions): the last stage's, zeros
-        on the others."""
+        `(loss * weight).backward()`). Returns (weight x the batch's mean loss, the argmax predictions, y's shape):
+        the last stage's; on the others a 0 and -1s (no prediction matches a target)."""
         if self.impl == "torch":
             return self._torch_step(x, y, weight, targets, autocast)
         return gpipe_step(self, x, y, weight, targets, autocast)
@@ -193,21 +196,21 @@ class Pipeline(nn.Module):
         return self.schedules[key]
 
     def _torch_loss(self, logits, y):
-        self._correct += correct_count(logits.detach(), y)
+        self._predictions.append(logits.detach().argmax(-1))
         return share(logits, y, self._targets) * self._weight  # the padded rows' targets are IGNORE: none
 
     def _torch_step(self, x, y, weight, targets, autocast):
         n = x.shape[0]
         self._weight, self._targets = weight, targets
-        self._correct = torch.zeros((), device=self.device)
+        self._predictions = []
         losses: list = []
         inputs = [pad(x, self.m, 0)] if self.first else []  # the first stage's only
         with autocast():
             self._torch_schedule(n, train=True).step(*inputs, target=pad(y, self.m, IGNORE), losses=losses,
                                                      return_outputs=False)
         if not self.last:
-            return torch.zeros((), device=self.device), self._correct
-        return torch.stack(losses).sum().detach() / weight, self._correct
+            return torch.zeros((), device=self.device), torch.full_like(y, -1)
+        return torch.stack(losses).sum().detach(), torch.cat(self._predictions)[:n]  # without the padded rows
 
     # ------------------------------------------------------------------ checkpoints: the full state
     def local_state(self) -> dict:
@@ -269,16 +272,15 @@ def gpipe_step(pipe: Pipeline, x, y, weight: float, targets: int, autocast):
     stage, rank = pipe.stages[0], pipe.env.rank
     inputs, outputs, sends = [], [], []
     loss_sum = torch.zeros((), device=pipe.device)
-    correct = torch.zeros((), device=pipe.device)
+    predictions = []
     for xc, yc in micro_batches(x, y, pipe.m):  # the fill: forward of every micro-batch
         inp = xc if pipe.first else recv((len(xc), x.shape[1], pipe.width), pipe, rank - 1).requires_grad_()
         with autocast():  # forward and loss, as the baseline's
             out = stage(inp)
             if pipe.last:  # the loss: this micro-batch's part of the batch's mean, times the window's weight
-                correct += correct_count(out.detach(), yc)
-                part = share(out, yc, targets)
-                loss_sum += part.detach()
-                out = part * weight
+                predictions.append(out.detach().argmax(-1))
+                out = share(out, yc, targets) * weight
+                loss_sum += out.detach()
         if not pipe.last:
             sends.append(dist.isend(out.detach().to(pipe.dtype).contiguous(), rank + 1))
         inputs.append(inp)
@@ -290,7 +292,7 @@ def gpipe_step(pipe: Pipeline, x, y, weight: float, targets: int, autocast):
             sends.append(dist.isend(inp.grad.contiguous(), rank - 1))
     for work in sends:
         work.wait()
-    return loss_sum, correct
+    return loss_sum, torch.cat(predictions) if pipe.last else torch.full_like(y, -1)
 
 
 def gpipe_forward(pipe: Pipeline, x):

@@ -1,5 +1,4 @@
-"""Your own model and dataset: `--model PACKAGE.MODULE:CALLABLE` and `--dataset PACKAGE.MODULE:CALLABLE`
-(docs/your-model.md).
+"""Your own model, dataset and loss: `--model`, `--dataset` and `--loss PACKAGE.MODULE:CALLABLE` (docs/your-model.md).
 
     python launch/single.py --model manual_train.examples.tiny_vit:build --precision 64-true
     python launch/single.py --model manual_train.examples.tiny_vit:build \
@@ -12,10 +11,11 @@ The contracts (the built-in names keep their own code in models.py and data.py; 
              int64 class id (or a tensor of them), and info a models.DataInfo or a dict with `num_classes` and
              `input_shape` (one sample's x shape, no batch dimension).
   --model    callable(info: DataInfo) -> nn.Module whose forward maps a batch x (B, *input_shape) to logits
-             (B, num_classes) (or (B, L, num_classes) against y of shape (B, L)). The loss is models.loss_fn, the
-             mean cross-entropy over the batch's targets, as for the built-in models. A ModuleList attribute named
+             (B, num_classes) (or (B, L, num_classes) against y of shape (B, L)). A ModuleList attribute named
              `blocks` makes each block its own FSDP2 unit (sharding.blocks); without one, the top-level children that
              hold parameters are the units.
+  --loss     callable(logits, y, reduction="mean") -> 0-d tensor, as F.cross_entropy: the mean over the targets
+             (y != -100), or with reduction="sum" their sum (default: models.loss_fn, the mean cross-entropy).
 
 What the user got wrong (no such module or attribute, not callable, the wrong type back, samples the model cannot
 take) is one `error: --model: ...` line, exit status 2, before anything is written. An exception raised inside the
@@ -24,12 +24,15 @@ user's own code is theirs: it propagates with its own traceback (exit status 1),
 from __future__ import annotations
 
 import importlib
+import math
 from typing import Callable
 
 import torch
 import torch.nn as nn
 
 from manual_train.errors import UsageError
+
+IGNORE_TARGET = -100  # models.IGNORE (this module imports none of ours but errors: no import cycle)
 
 
 def is_spec(name: str) -> bool:
@@ -83,6 +86,49 @@ def call(spec: str, flag: str, *args):
     except Exception as e:
         _note(e, spec, flag, "calling")
         raise
+
+
+LOSS_CONTRACT = 'a callable(logits, y, reduction="mean") -> 0-d tensor; "mean" over the targets, "sum" their sum'
+
+
+def build_loss(cfg, default: Callable) -> Callable:
+    """--loss PACKAGE.MODULE:CALLABLE, or `default` (the loop's loss_fn, models.loss_fn: the mean cross-entropy).
+    Called as loss(logits, y) for the mean over the targets (the loops weight it by the micro-batch's share of its
+    window) and loss(logits, y, reduction="sum") in evaluation (exact sums over batches and ranks)."""
+    return default if cfg.loss is None else load(cfg.loss, "--loss")
+
+
+def check_loss(cfg, info, train) -> None:
+    """One call of the plug-in loss on random logits against the first two samples' targets, in float64: a 0-d
+    tensor with a gradient, and "sum" == "mean" x the number of targets (what exact accumulation and evaluation
+    rely on). One `--loss` line otherwise; an exception inside the loss is the user's, with a note."""
+    fn = load(cfg.loss, "--loss")
+    y = torch.stack([torch.as_tensor(train[i][1]) for i in range(min(2, len(train)))])
+    targets = int((y != IGNORE_TARGET).sum())
+    with torch.random.fork_rng(devices=[]):
+        logits = torch.randn(*y.shape, info.num_classes, dtype=torch.float64, requires_grad=True)
+    values = {}
+    for reduction in ("mean", "sum"):
+        try:
+            values[reduction] = out = fn(logits, y) if reduction == "mean" else fn(logits, y, reduction="sum")
+        except TypeError as e:
+            raise UsageError("--loss", f"{cfg.loss} cannot be called as loss(logits, y, reduction={reduction!r}) "
+                                       f"({e})", LOSS_CONTRACT) from None
+        except Exception as e:
+            _note(e, cfg.loss, "--loss", "calling")
+            raise
+        if not (isinstance(out, torch.Tensor) and out.dim() == 0 and out.is_floating_point()):
+            got = f"shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else f"a {type(out).__name__}"
+            raise UsageError("--loss", f"{cfg.loss} returned {got} for reduction={reduction!r}, not a 0-d float "
+                                       "tensor", LOSS_CONTRACT)
+        if not out.requires_grad:
+            raise UsageError("--loss", f"{cfg.loss}'s result has no gradient (detached, or computed outside torch)",
+                             LOSS_CONTRACT)
+    mean, total = values["mean"].item(), values["sum"].item()
+    if not math.isclose(total, mean * targets, rel_tol=1e-9, abs_tol=1e-12):
+        raise UsageError("--loss", f"{cfg.loss}'s sum ({total:.6g}) is not its mean x the {targets} targets "
+                                   f"({mean * targets:.6g}): the loops' accumulation and evaluation rely on it",
+                         LOSS_CONTRACT)
 
 
 def build_model(spec: str, info) -> nn.Module:

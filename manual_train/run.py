@@ -9,7 +9,7 @@ same way in every loop, sits behind a handful of one-line calls on a `Run`, in t
     for epoch in range(start_epoch, num_epochs):
         for micro_step, (x, y) in enumerate(run.timed(loader), start=...):   # counts the time spent waiting
             ...
-            stepped = run.stepped(scaler, loss_sum)  # False when 16-mixed's GradScaler skipped it (--trace-dir)
+            stepped = run.stepped(scaler, losses)  # False when 16-mixed's GradScaler skipped it (--trace-dir)
             run.log_train(step, epoch, loss, acc, lr, samples_seen)   # metrics.csv; NaN stops the run
         improved = run.log_val(step, epoch, val_loss, val_acc, lr)    # metrics.csv, early stopping, best
         run.save(epoch, micro_steps_done, step, samples_seen)         # last.pt (and best.pt), atomically
@@ -197,13 +197,14 @@ class Run:
             yield batch
             t = time.perf_counter()
 
-    def stepped(self, scaler, loss_sum=None) -> bool:
+    def stepped(self, scaler, losses=None) -> bool:
         """Whether the optimizer step was taken. GradScaler.step syncs to decide (it reads found_inf) but does not
         say what it decided; the scale only shrinks on a skipped step, so comparing it with the previous step's
         (kept on the host) tells. get_scale() is one host sync under 16-mixed, none when the scaler is off.
-        `loss_sum`: the loop's running loss sum, which --trace-dir records the step's loss from (unused otherwise)."""
+        `losses`: the loop's detached micro-step losses since its last log row, which --trace-dir records the step's
+        loss from (unused otherwise)."""
         if self.trace is not None:
-            self.trace.stepped(loss_sum)  # the weights after this step (a gather when sharded), the step's loss
+            self.trace.stepped(losses)  # the weights after this step (a gather when sharded), the step's loss
         scale = scaler.get_scale()
         stepped = scale >= self._last_scale
         self._last_scale = scale
@@ -220,7 +221,7 @@ class Run:
         """A metrics.csv row and the progress bar; a NaN/inf loss stops the run (every rank alike: the numbers
         are all-reduced), keeping the last good checkpoint."""
         if self.trace is not None:
-            self.trace.window_logged()  # the loop zeroes loss_sum next
+            self.trace.window_logged()  # the loop starts new lists next
         if not math.isfinite(loss):
             raise TrainingDiverged.at(loss, step, log_steps, self._checkpoint_path("last"))
         now = time.perf_counter()

@@ -234,9 +234,10 @@ def targets_trained_on(loop, cfg) -> tuple[dict, list]:
     seen = []
     real_loss_fn = loop.loss_fn
 
-    def recording_loss_fn(logits, y):
-        seen.append(y.tolist())
-        return real_loss_fn(logits, y)
+    def recording_loss_fn(logits, y, **kw):  # evaluation's calls (reduction="sum") are not training's
+        if not kw:
+            seen.append(y.tolist())
+        return real_loss_fn(logits, y, **kw)
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(loop, "loss_fn", recording_loss_fn)

@@ -25,8 +25,10 @@ def inject(loop_module, at_step: int, rank: int, mode: str) -> None:
     real_loss_fn = loop_module.loss_fn
     calls = 0
 
-    def loss_fn(logits, y):
+    def loss_fn(logits, y, **kw):
         nonlocal calls
+        if kw:  # evaluation's (reduction="sum"): not an optimizer step's
+            return real_loss_fn(logits, y, **kw)
         steps_done, calls = calls, calls + 1
         first_attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) == 0
         if steps_done != at_step or int(os.environ.get("RANK", 0)) != rank or not first_attempt:

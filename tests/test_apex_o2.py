@@ -64,8 +64,13 @@ def test_o2_invariants_hold_at_every_step_of_the_loop(tmp_path, monkeypatch):
     built, logits_dtypes, checks, masters_after = [], [], [], []
     real_loss_fn = apex_o2.loss_fn
     monkeypatch.setattr(apex_o2, "build_model_from", lambda cfg, info: built.append(ConvBN()) or built[-1])
-    monkeypatch.setattr(apex_o2, "loss_fn", lambda logits, y: logits_dtypes.append(logits.dtype)
-                        or real_loss_fn(logits, y))
+
+    def recording_loss_fn(logits, y, **kw):
+        if not kw:  # training's calls (evaluation's pass reduction="sum")
+            logits_dtypes.append(logits.dtype)
+        return real_loss_fn(logits, y, **kw)
+
+    monkeypatch.setattr(apex_o2, "loss_fn", recording_loss_fn)
 
     def before_step(optimizer, args, kwargs):
         raw, masters = built[0], optimizer.param_groups[0]["params"]

@@ -35,8 +35,9 @@ from manual_train.examples import tiny_vit
 from manual_train.loops import ddp, single, zero
 
 VIT = "manual_train.examples.tiny_vit:build"
+FOCAL = "manual_train.examples.focal_loss:focal_loss"  # every run here trains with a plug-in loss too
 ODD = "test_plugins:odd_digits"  # this module, importable by that name in pytest's process and in the job's ranks
-FLAGS = dict(model=VIT, dataset=ODD, precision="64-true", optimizer="sgd", lr=0.1, epochs=2, log_every=2,
+FLAGS = dict(model=VIT, dataset=ODD, loss=FOCAL, precision="64-true", optimizer="sgd", lr=0.1, epochs=2, log_every=2,
              eval_batch_size=16)
 RANKS, BATCH, ACCUMULATE = 2, 2, 2  # global batch 8: 8 steps an epoch, the last window 5 samples
 SCENARIOS = {
@@ -79,6 +80,22 @@ def wrong_input(info):
 
 def raises(info):
     raise ZeroDivisionError("a bug in the user's model")
+
+
+def loss_per_sample(logits, y, reduction="mean"):  # no reduction: one loss per sample
+    return torch.nn.functional.cross_entropy(logits, y, reduction="none")
+
+
+def loss_ignores_reduction(logits, y, reduction="mean"):  # evaluation would add means, not sums
+    return torch.nn.functional.cross_entropy(logits, y)
+
+
+def loss_detached(logits, y, reduction="mean"):
+    return torch.nn.functional.cross_entropy(logits.detach(), y, reduction=reduction)
+
+
+def loss_two_arguments(logits, y):
+    return torch.nn.functional.cross_entropy(logits, y)
 
 
 def returns_list(cfg):
@@ -197,7 +214,8 @@ def test_an_image_folder_of_pngs_trains_through_single_and_evaluates_from_its_ch
 
     out = tmp_path / "run"
     argv = ["--model", VIT, "--dataset", "manual_train.examples.image_folder:build", "--data-root",
-            str(tmp_path / "images"), "--precision", "64-true", "--epochs", "2", "--batch-size", "4", "--out-dir",
+            str(tmp_path / "images"), "--loss", FOCAL, "--precision", "64-true", "--epochs", "2", "--batch-size", "4",
+            "--out-dir",
             str(out), "--no-progress"]
     assert run(single.train, script="single", argv=argv) == 0
     summary = json.loads((out / "summary.json").read_text())
@@ -231,6 +249,13 @@ BAD = [
     (["--dataset", "manual_train.examples.image_folder:build", "--data-root", "."], "error: --data-root: train is "
                                                                                    "not a folder"),
     (["--model", "mlp_typo"], "error: --model: invalid choice: 'mlp_typo'"),
+    (["--loss", "test_plugins:nope"], "error: --loss: test_plugins has no attribute 'nope'"),
+    (["--loss", "test_plugins:loss_per_sample"], "error: --loss: test_plugins:loss_per_sample returned shape (2,) "
+                                                 "for reduction='mean', not a 0-d float tensor"),
+    (["--loss", "test_plugins:loss_ignores_reduction"], "error: --loss: test_plugins:loss_ignores_reduction's sum "),
+    (["--loss", "test_plugins:loss_detached"], "error: --loss: test_plugins:loss_detached's result has no gradient"),
+    (["--loss", "test_plugins:loss_two_arguments"], "error: --loss: test_plugins:loss_two_arguments cannot be called "
+                                                    "as loss(logits, y, reduction='sum')"),
 ]
 
 
@@ -286,3 +311,27 @@ def test_a_resume_with_another_model_spec_is_refused(tmp_path, capsys):
     assert status == 2 and err == (f"error: --resume: checkpoint was trained with --model {VIT}, this run has "
                                    "test_plugins:deeper_vit"), err
     assert not second.exists()
+
+
+def test_the_loss_plugin_is_the_one_trained_and_evaluated_with(tmp_path):
+    """The run's validation loss is the focal loss of its final weights, not their cross-entropy (both loops' lines,
+    training and evaluation, call the plug-in), and the pipeline, which has its own loss shares, refuses it."""
+    from manual_train import data, models
+    from manual_train.evaluation import evaluate as evaluate_sums
+    from manual_train.examples.focal_loss import focal_loss
+    from manual_train.pipelining import PipelineConfig
+    from manual_train.precision import CastInputs
+
+    cfg = make_cfg(tmp_path, loss=FOCAL, precision="64-true", max_steps=3)
+    summary = single.train(cfg)
+    model = models.build_model_from(cfg, data.build_datasets(cfg)[2]).double()
+    model.load_state_dict(load_model_state(tmp_path / "run"))
+    loader = data.build_loader(data.build_datasets(cfg)[1], cfg, torch.device("cpu"), batch_size=64)
+    means = {}
+    for name, criterion in (("focal", focal_loss), ("cross-entropy", models.loss_fn)):
+        loss_sum, _, count = evaluate_sums(CastInputs(model), loader, torch.device("cpu"), criterion=criterion)
+        means[name] = (loss_sum / count).item()
+    assert abs(summary["final_val_loss"] - means["focal"]) < 1e-9 < abs(means["focal"] - means["cross-entropy"])
+    with pytest.raises(UsageError) as e:
+        parse_config(PipelineConfig, ["--model", "gpt", "--dataset", "reverse", "--loss", FOCAL])
+    assert e.value.flag == "--loss"

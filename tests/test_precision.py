@@ -50,7 +50,9 @@ def test_injected_inf_skips_the_step_and_the_scheduler(tmp_path, monkeypatch, pr
     module, _ = loop_for(precision)
     real_loss_fn, calls, events = module.loss_fn, [], []
 
-    def loss_fn(logits, y):
+    def loss_fn(logits, y, **kw):
+        if kw:  # evaluation's (reduction="sum")
+            return real_loss_fn(logits, y, **kw)
         calls.append(1)
         loss = real_loss_fn(logits, y)
         return InfGrad.apply(loss) if len(calls) == 5 else loss
@@ -194,7 +196,13 @@ def test_64_true_is_32_true_upcast_and_stays_float64(tmp_path, monkeypatch):
         return [p.detach().clone() for p in optimizer.param_groups[0]["params"]]
 
     real_loss_fn = single.loss_fn
-    monkeypatch.setattr(single, "loss_fn", lambda logits, y: inputs.append(logits.dtype) or real_loss_fn(logits, y))
+
+    def recording_loss_fn(logits, y, **kw):
+        if not kw:  # training's calls (evaluation's pass reduction="sum")
+            inputs.append(logits.dtype)
+        return real_loss_fn(logits, y, **kw)
+
+    monkeypatch.setattr(single, "loss_fn", recording_loss_fn)
     hook = register_optimizer_step_pre_hook(before_step_1)
     try:
         flags = dict(model="mlp", max_steps=1, batch_size=32)

@@ -22,9 +22,10 @@ import torch
 from manual_train import data
 from manual_train.config import Config
 from manual_train.evaluation import evaluate
-from manual_train.models import build_model_from, correct_count, loss_fn
+from manual_train.models import build_model_from, log_sums, loss_fn
 from manual_train.optim import build_optimizer, build_scheduler, scaled_lr
 # >>> O2: its flags (O2Config) and the small pieces it reuses (manual_train/precision.py)
+from manual_train.plugins import build_loss
 from manual_train.precision import (ApexScaler, DynamicLossScaler, O2Config, O2Forward, O2Masters, apex_amp_or_error,
                                     autocast_for, cast_o2, param_dtype)
 # <<< O2
@@ -79,19 +80,20 @@ def train(cfg: O2Config) -> dict:  # O2
                                                            growth_interval=cfg.loss_scale_growth_interval)
     checkpointed = raw_model if amp else O2Masters(raw_model, model_params, master_params)
     # <<< O2
+    criterion = build_loss(cfg, loss_fn)  # the mean cross-entropy, or yours (--loss: docs/your-model.md)
 
     def validate() -> tuple[float, float]:
         """The validation set's mean loss and accuracy: exact sums, one host sync (.item())."""
-        loss_total, correct, count = evaluate(model, val_loader, device, autocast, cfg.eval_mode)
+        loss_total, correct, count = evaluate(model, val_loader, device, autocast, cfg.eval_mode, criterion)
         return (loss_total / count).item(), (correct / count).item()
 
     start_epoch, start_micro_step, step, samples_seen = run.start(
         model=checkpointed, optimizer=optimizer, scheduler=scheduler, scaler=scaler)  # O2: --resume loads into these
 
     # ------------------------------------------------------------------ training loop
-    # Running sums stay on the device: adding loss.detach() costs no host sync and keeps no graph.
-    loss_sum = torch.zeros((), device=device)
-    correct_sum = torch.zeros((), device=device)
+    # Logging keeps each micro-step's detached loss and predictions on the device until the log row sums them:
+    # no host sync, no graph kept, one tensor op per micro-step (the argmax).
+    losses, predictions, labels = [], [], []
     log_steps = log_targets = 0
     val_loss = val_acc = math.nan
     epoch = start_epoch - 1  # epochs_run stays right when a finished run is resumed
@@ -116,19 +118,20 @@ def train(cfg: O2Config) -> dict:  # O2
 
             with autocast():  # forward and loss only: backward runs in the dtypes forward chose
                 logits = model(x)
-                loss = loss_fn(logits, y)
+                loss = criterion(logits, y) * weight  # the micro-batch's share of the window's mean
             # >>> O2: the scaled loss's backward: fp16 gradients on the fp16 model, accumulating scaled over the window
             if amp:  # apex-o2: apex's context scales; at the window's end it unscales into its masters, checks for inf
-                with amp.scale_loss(loss * weight, optimizer, delay_unscale=not window_end) as scaled_loss:
+                with amp.scale_loss(loss, optimizer, delay_unscale=not window_end) as scaled_loss:
                     scaled_loss.backward()
             else:
-                (loss * weight * scaler.scale).backward()
+                (loss * scaler.scale).backward()
             # <<< O2
 
             # Logging without retained graphs: detach() drops autograd history, so nothing of this
-            # step's graph outlives the step (summing `loss` itself would chain every step's graph).
-            loss_sum += loss.detach() * weight
-            correct_sum += correct_count(logits.detach(), y)
+            # step's graph outlives the step (keeping `loss` itself would keep the step's graph).
+            losses.append(loss.detach())
+            if cfg.train_acc:  # --no-train-acc: none (Lightning logs no train accuracy unless asked)
+                predictions.append(logits.detach().argmax(-1)), labels.append(y)
             log_targets += targets
             samples_seen += x.shape[0]
 
@@ -161,18 +164,19 @@ def train(cfg: O2Config) -> dict:  # O2
                             p.copy_(master)
                 scaler.update(found_inf)
                 # <<< O2
-                if run.stepped(scaler, loss_sum):  # a skipped step does not advance the schedule (Lightning's does)
+                if run.stepped(scaler, losses):  # a skipped step does not advance the schedule (Lightning's does)
                     scheduler.step()
                 step += 1
                 log_steps += 1
                 run.profile(step)  # --profile: torch.profiler's schedule moves one optimizer step on
                 if step % cfg.log_every == 0 or micro_step + 1 == micro_steps_per_epoch or step == total_steps:
+                    loss_sum, correct = log_sums(losses, predictions, labels, device)  # 3 tensor ops per row
                     # .item() is a host sync: it waits for every queued kernel. Here once per log row.
-                    train_loss = (loss_sum / log_steps).item()
-                    train_acc = correct_sum.item() / log_targets
+                    train_loss = loss_sum.item() / log_steps
+                    train_acc = correct.item() / log_targets
                     run.log_train(step, epoch, train_loss, train_acc, scheduler.get_last_lr()[0], samples_seen,
                                   log_steps)  # metrics.csv; a NaN loss stops the run here
-                    loss_sum.zero_(), correct_sum.zero_()
+                    losses, predictions, labels = [], [], []
                     log_steps = log_targets = 0
                 # --val-every-steps, --checkpoint-every-steps: validation and last.pt inside a long epoch too (the
                 # epoch's end has its own, below). A validation that improved is saved at once (best.pt), while the

@@ -23,9 +23,10 @@ import torch.nn as nn  # DP: nn.DataParallel
 from manual_train import data
 from manual_train.config import Config
 from manual_train.evaluation import evaluate
-from manual_train.models import build_model_from, correct_count, loss_fn
+from manual_train.models import build_model_from, log_sums, loss_fn
 from manual_train.optim import build_optimizer, build_scheduler, scaled_lr
 from manual_train.parallel import DPConfig, ExplicitDataParallel, dp_plan, peak_mem_per_device  # DP
+from manual_train.plugins import build_loss
 from manual_train.precision import CastInputs, autocast_for, param_dtype
 from manual_train.run import Run
 from manual_train.runtime import seed_everything, set_deterministic  # DP: --devices, not resolve_device
@@ -80,10 +81,11 @@ def train(cfg: DPConfig) -> dict:  # DP: the baseline's flags plus --devices, --
     autocast = autocast_for(cfg.precision, device)
     scaler = torch.amp.GradScaler(device.type, init_scale=cfg.loss_scale_init, enabled=cfg.precision == "16-mixed",
                                   growth_interval=cfg.loss_scale_growth_interval)
+    criterion = build_loss(cfg, loss_fn)  # the mean cross-entropy, or yours (--loss: docs/your-model.md)
 
     def validate() -> tuple[float, float]:
         """The validation set's mean loss and accuracy: exact sums, one host sync (.item())."""
-        loss_total, correct, count = evaluate(model, val_loader, device, autocast, cfg.eval_mode)
+        loss_total, correct, count = evaluate(model, val_loader, device, autocast, cfg.eval_mode, criterion)
         return (loss_total / count).item(), (correct / count).item()
 
     start_epoch, start_micro_step, step, samples_seen = run.start(
@@ -91,9 +93,9 @@ def train(cfg: DPConfig) -> dict:  # DP: the baseline's flags plus --devices, --
     run.print(dp_plan(cfg.impl, devices, device, cfg.batch_size))  # DP: how each batch is split, and where
 
     # ------------------------------------------------------------------ training loop
-    # Running sums stay on the device: adding loss.detach() costs no host sync and keeps no graph.
-    loss_sum = torch.zeros((), device=device)
-    correct_sum = torch.zeros((), device=device)
+    # Logging keeps each micro-step's detached loss and predictions on the device until the log row sums them:
+    # no host sync, no graph kept, one tensor op per micro-step (the argmax).
+    losses, predictions, labels = [], [], []
     log_steps = log_targets = 0
     val_loss = val_acc = math.nan
     epoch = start_epoch - 1  # epochs_run stays right when a finished run is resumed
@@ -122,13 +124,14 @@ def train(cfg: DPConfig) -> dict:  # DP: the baseline's flags plus --devices, --
                 # raw_model's parameters.
                 # <<< DP
                 logits = model(x)
-                loss = loss_fn(logits, y)
-            scaler.scale(loss * weight).backward()  # 16-mixed: the scaled loss; gradients accumulate scaled
+                loss = criterion(logits, y) * weight  # the micro-batch's share of the window's mean
+            scaler.scale(loss).backward()  # 16-mixed: the scaled loss; gradients accumulate scaled
 
             # Logging without retained graphs: detach() drops autograd history, so nothing of this
-            # step's graph outlives the step (summing `loss` itself would chain every step's graph).
-            loss_sum += loss.detach() * weight
-            correct_sum += correct_count(logits.detach(), y)
+            # step's graph outlives the step (keeping `loss` itself would keep the step's graph).
+            losses.append(loss.detach())
+            if cfg.train_acc:  # --no-train-acc: none (Lightning logs no train accuracy unless asked)
+                predictions.append(logits.detach().argmax(-1)), labels.append(y)
             log_targets += targets
             samples_seen += x.shape[0]
 
@@ -140,18 +143,19 @@ def train(cfg: DPConfig) -> dict:  # DP: the baseline's flags plus --devices, --
                     torch.nn.utils.clip_grad_value_(raw_model.parameters(), cfg.grad_clip_value)
                 scaler.step(optimizer)  # 16-mixed: skipped when the gradients hold inf/NaN
                 scaler.update()  # 16-mixed: halve the scale after a skip, double it after growth_interval clean steps
-                if run.stepped(scaler, loss_sum):  # a skipped step does not advance the schedule (Lightning's does)
+                if run.stepped(scaler, losses):  # a skipped step does not advance the schedule (Lightning's does)
                     scheduler.step()
                 step += 1
                 log_steps += 1
                 run.profile(step)  # --profile: torch.profiler's schedule moves one optimizer step on
                 if step % cfg.log_every == 0 or micro_step + 1 == micro_steps_per_epoch or step == total_steps:
+                    loss_sum, correct = log_sums(losses, predictions, labels, device)  # 3 tensor ops per row
                     # .item() is a host sync: it waits for every queued kernel. Here once per log row.
-                    train_loss = (loss_sum / log_steps).item()
-                    train_acc = correct_sum.item() / log_targets
+                    train_loss = loss_sum.item() / log_steps
+                    train_acc = correct.item() / log_targets
                     run.log_train(step, epoch, train_loss, train_acc, scheduler.get_last_lr()[0], samples_seen,
                                   log_steps)  # metrics.csv; a NaN loss stops the run here
-                    loss_sum.zero_(), correct_sum.zero_()
+                    losses, predictions, labels = [], [], []
                     log_steps = log_targets = 0
                 # --val-every-steps, --checkpoint-every-steps: validation and last.pt inside a long epoch too (the
                 # epoch's end has its own, below). A validation that improved is saved at once (best.pt), while the

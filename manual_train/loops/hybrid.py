@@ -24,10 +24,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # HYBRID
 from manual_train import data
 from manual_train.distributed import DistEnv, all_sum, process_group, with_comm_hook  # HYBRID
 from manual_train.evaluation import evaluate
-from manual_train.models import build_model_from, correct_count, loss_fn
+from manual_train.models import build_model_from, log_sums, loss_fn
 from manual_train.optim import build_optimizer, build_scheduler, scaled_lr
 # >>> HYBRID: the config, the split and the summary's device keys (device lists replace resolve_device)
 from manual_train.hybrid_setup import DEFAULTS, HybridConfig, describe, split_model, summary_extra
+from manual_train.plugins import build_loss
 from manual_train.precision import autocast_for, param_dtype
 from manual_train.run import Run
 from manual_train.runtime import seed_everything, set_deterministic
@@ -89,12 +90,13 @@ def train_rank(cfg: HybridConfig, env: DistEnv, group_a: list, group_b: list) ->
     autocast = autocast_for(cfg.precision, device)
     scaler = torch.amp.GradScaler(device.type, init_scale=cfg.loss_scale_init, enabled=cfg.precision == "16-mixed",
                                   growth_interval=cfg.loss_scale_growth_interval)
+    criterion = build_loss(cfg, loss_fn)  # the mean cross-entropy, or yours (--loss: docs/your-model.md)
 
     def validate() -> tuple[float, float]:
         """The validation set's mean loss and accuracy: exact sums, one host sync (.item())."""
         # >>> HYBRID: this rank's shard through the split itself (DDP's forward broadcasts buffers: a collective, which
         # hangs when shards differ in batch count); the summed sums are one process's, the same on every rank
-        loss_total, correct, count = evaluate(model.module, val_loader, device, autocast, cfg.eval_mode)
+        loss_total, correct, count = evaluate(model.module, val_loader, device, autocast, cfg.eval_mode, criterion)
         loss_total, correct, count = all_sum(loss_total, correct, count, device=device)
         # <<< HYBRID
         return (loss_total / count).item(), (correct / count).item()
@@ -104,9 +106,9 @@ def train_rank(cfg: HybridConfig, env: DistEnv, group_a: list, group_b: list) ->
     run.print(describe(cfg, group_a, group_b, env))  # HYBRID: where each half runs, under the banner
 
     # ------------------------------------------------------------------ training loop
-    # Running sums stay on the device: adding loss.detach() costs no host sync and keeps no graph.
-    loss_sum = torch.zeros((), device=device)
-    correct_sum = torch.zeros((), device=device)
+    # Logging keeps each micro-step's detached loss and predictions on the device until the log row sums them:
+    # no host sync, no graph kept, one tensor op per micro-step (the argmax).
+    losses, predictions, labels = [], [], []
     log_steps = log_targets = 0
     val_loss = val_acc = math.nan
     epoch = start_epoch - 1  # epochs_run stays right when a finished run is resumed
@@ -139,14 +141,15 @@ def train_rank(cfg: HybridConfig, env: DistEnv, group_a: list, group_b: list) ->
             with nullcontext() if window_end else model.no_sync():
                 with autocast():  # forward and loss only: backward runs in the dtypes forward chose
                     logits = model(x)
-                    loss = loss_fn(logits, y)
-                scaler.scale(loss * weight).backward()  # 16-mixed: the scaled loss; gradients accumulate scaled
+                    loss = criterion(logits, y) * weight  # the micro-batch's share of the window's mean
+                scaler.scale(loss).backward()  # 16-mixed: the scaled loss; gradients accumulate scaled
             # <<< HYBRID
 
             # Logging without retained graphs: detach() drops autograd history, so nothing of this
-            # step's graph outlives the step (summing `loss` itself would chain every step's graph).
-            loss_sum += loss.detach() * weight if weight else 0  # HYBRID: an empty micro-batch's mean loss is 0/0
-            correct_sum += correct_count(logits.detach(), y)
+            # step's graph outlives the step (keeping `loss` itself would keep the step's graph).
+            losses.append(loss.detach() if weight else torch.zeros_like(loss))  # HYBRID: an empty batch's mean: NaN
+            if cfg.train_acc:  # --no-train-acc: none (Lightning logs no train accuracy unless asked)
+                predictions.append(logits.detach().argmax(-1)), labels.append(y)
             log_targets += targets
             samples_seen += data.window_samples(n_all, micro_batch, 1, micro_step)  # HYBRID: every rank's, this step
 
@@ -158,22 +161,23 @@ def train_rank(cfg: HybridConfig, env: DistEnv, group_a: list, group_b: list) ->
                     torch.nn.utils.clip_grad_value_(raw_model.parameters(), cfg.grad_clip_value)
                 scaler.step(optimizer)  # 16-mixed: skipped when the gradients hold inf/NaN
                 scaler.update()  # 16-mixed: halve the scale after a skip, double it after growth_interval clean steps
-                if run.stepped(scaler, loss_sum):  # a skipped step does not advance the schedule (Lightning's does)
+                if run.stepped(scaler, losses):  # a skipped step does not advance the schedule (Lightning's does)
                     scheduler.step()
                 step += 1
                 log_steps += 1
                 run.profile(step)  # --profile: torch.profiler's schedule moves one optimizer step on
                 if step % cfg.log_every == 0 or micro_step + 1 == micro_steps_per_epoch or step == total_steps:
+                    loss_sum, correct = log_sums(losses, predictions, labels, device)  # 3 tensor ops per row
                     # >>> HYBRID: the log window's sums from every rank: the logged loss becomes the global mean, and a
                     # NaN on any rank reaches every rank, so they all stop together. One small all-reduce per log row.
-                    loss_total, correct_total, targets = all_sum(loss_sum, correct_sum, log_targets, device=device)
+                    loss_total, correct_total, targets = all_sum(loss_sum, correct, log_targets, device=device)
                     # .item() is a host sync: it waits for every queued kernel. Here once per log row.
                     train_loss = (loss_total / (log_steps * env.world_size)).item()
                     train_acc = (correct_total / targets).item()
                     # <<< HYBRID
                     run.log_train(step, epoch, train_loss, train_acc, scheduler.get_last_lr()[0], samples_seen,
                                   log_steps)  # metrics.csv; a NaN loss stops the run here
-                    loss_sum.zero_(), correct_sum.zero_()
+                    losses, predictions, labels = [], [], []
                     log_steps = log_targets = 0
                 # --val-every-steps, --checkpoint-every-steps: validation and last.pt inside a long epoch too (the
                 # epoch's end has its own, below). A validation that improved is saved at once (best.pt), while the

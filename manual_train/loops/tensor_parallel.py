@@ -26,8 +26,9 @@ from manual_train import data
 from manual_train.config import Config
 from manual_train.distributed import DistEnv, all_sum, process_group, sync_batchnorm  # ZERO: not DDPConfig, no hook
 from manual_train.evaluation import evaluate
-from manual_train.models import build_model_from, correct_count, loss_fn
+from manual_train.models import build_model_from, log_sums, loss_fn
 from manual_train.optim import build_optimizer, build_scheduler, scaled_lr
+from manual_train.plugins import build_loss
 from manual_train.precision import CastInputs, autocast_for, param_dtype
 from manual_train.run import Run
 from manual_train.runtime import seed_everything, set_deterministic  # DDP: process_group picks the device
@@ -101,6 +102,7 @@ def train_rank(cfg: TPConfig, env: DistEnv, device: torch.device) -> dict:  # TP
     scaler = sharded.grad_scaler(device.type, init_scale=cfg.loss_scale_init, enabled=cfg.precision == "16-mixed",
                                  growth_interval=cfg.loss_scale_growth_interval)
     # <<< ZERO
+    criterion = build_loss(cfg, loss_fn)  # the mean cross-entropy, or yours (--loss: docs/your-model.md)
 
     def validate() -> tuple[float, float]:
         """The validation set's mean loss and accuracy: exact sums, one host sync (.item())."""
@@ -108,7 +110,8 @@ def train_rank(cfg: TPConfig, env: DistEnv, device: torch.device) -> dict:  # TP
         # hangs when shards differ in batch count); the summed sums are one process's, the same on every rank
         # >>> ZERO: FSDP evaluates through its own forward (it gathers the parameters), the others DDP's way;
         # then FSDP2's stage 2 frees what a forward without backward left gathered
-        loss_total, correct, count = evaluate(sharded.eval_model, val_loader, device, autocast, cfg.eval_mode)
+        loss_total, correct, count = evaluate(sharded.eval_model, val_loader, device, autocast, cfg.eval_mode,
+                                              criterion)
         sharded.reshard()
         # <<< ZERO
         loss_total, correct, count = all_sum(loss_total, correct, count, device=device)
@@ -120,9 +123,9 @@ def train_rank(cfg: TPConfig, env: DistEnv, device: torch.device) -> dict:  # TP
     run.print(f"tensor parallel: {sharded}")  # TP: the mesh, the styles and the optimizer parallelize() chose
 
     # ------------------------------------------------------------------ training loop
-    # Running sums stay on the device: adding loss.detach() costs no host sync and keeps no graph.
-    loss_sum = torch.zeros((), device=device)
-    correct_sum = torch.zeros((), device=device)
+    # Logging keeps each micro-step's detached loss and predictions on the device until the log row sums them:
+    # no host sync, no graph kept, one tensor op per micro-step (the argmax).
+    losses, predictions, labels = [], [], []
     log_steps = log_targets = 0
     val_loss = val_acc = math.nan
     epoch = start_epoch - 1  # epochs_run stays right when a finished run is resumed
@@ -153,14 +156,15 @@ def train_rank(cfg: TPConfig, env: DistEnv, device: torch.device) -> dict:  # TP
             with sharded.no_sync(window_end):  # ZERO: DDP's, ShardedDDP's; none under FSDP (gradients stay sharded)
                 with autocast():  # forward and loss only: backward runs in the dtypes forward chose
                     logits = model(x)
-                    loss = loss_fn(logits, y)
-                scaler.scale(loss * weight).backward()  # 16-mixed: the scaled loss; gradients accumulate scaled
+                    loss = criterion(logits, y) * weight  # the micro-batch's share of the window's mean
+                scaler.scale(loss).backward()  # 16-mixed: the scaled loss; gradients accumulate scaled
             # <<< DDP
 
             # Logging without retained graphs: detach() drops autograd history, so nothing of this
-            # step's graph outlives the step (summing `loss` itself would chain every step's graph).
-            loss_sum += loss.detach() * weight if weight else 0  # DDP: an empty micro-batch's mean loss is NaN (0/0)
-            correct_sum += correct_count(logits.detach(), y)
+            # step's graph outlives the step (keeping `loss` itself would keep the step's graph).
+            losses.append(loss.detach() if weight else torch.zeros_like(loss))  # DDP: an empty batch's mean: NaN
+            if cfg.train_acc:  # --no-train-acc: none (Lightning logs no train accuracy unless asked)
+                predictions.append(logits.detach().argmax(-1)), labels.append(y)
             log_targets += targets
             samples_seen += data.window_samples(n_all, micro_batch, 1, micro_step)  # DDP: every rank's, this micro-step
 
@@ -172,22 +176,23 @@ def train_rank(cfg: TPConfig, env: DistEnv, device: torch.device) -> dict:  # TP
                     torch.nn.utils.clip_grad_value_(raw_model.parameters(), cfg.grad_clip_value)
                 scaler.step(optimizer)  # 16-mixed: skipped when the gradients hold inf/NaN
                 scaler.update()  # 16-mixed: halve the scale after a skip, double it after growth_interval clean steps
-                if run.stepped(scaler, loss_sum):  # a skipped step does not advance the schedule (Lightning's does)
+                if run.stepped(scaler, losses):  # a skipped step does not advance the schedule (Lightning's does)
                     scheduler.step()
                 step += 1
                 log_steps += 1
                 run.profile(step)  # --profile: torch.profiler's schedule moves one optimizer step on
                 if step % cfg.log_every == 0 or micro_step + 1 == micro_steps_per_epoch or step == total_steps:
+                    loss_sum, correct = log_sums(losses, predictions, labels, device)  # 3 tensor ops per row
                     # >>> DDP: the log window's sums from every rank: the logged loss becomes the global mean, and a
                     # NaN on any rank reaches every rank, so they all stop together. One small all-reduce per log row.
-                    loss_total, correct_total, targets = all_sum(loss_sum, correct_sum, log_targets, device=device)
+                    loss_total, correct_total, targets = all_sum(loss_sum, correct, log_targets, device=device)
                     # .item() is a host sync: it waits for every queued kernel. Here once per log row.
                     train_loss = (loss_total / (log_steps * env.world_size)).item()
                     train_acc = (correct_total / targets).item()
                     # <<< DDP
                     run.log_train(step, epoch, train_loss, train_acc, scheduler.get_last_lr()[0], samples_seen,
                                   log_steps)  # metrics.csv; a NaN loss stops the run here
-                    loss_sum.zero_(), correct_sum.zero_()
+                    losses, predictions, labels = [], [], []
                     log_steps = log_targets = 0
                 # --val-every-steps, --checkpoint-every-steps: validation and last.pt inside a long epoch too (the
                 # epoch's end has its own, below). A validation that improved is saved at once (best.pt), while the

@@ -5,7 +5,7 @@ from mutants import Mutant
 SHORT = "tests/test_dp.py::test_explicit_dp_equals_baseline_on_a_short_set"  # 64-true, 3 uneven chunks, 88 samples
 DEMO = ("dp", 0, "--impl", "explicit", "--devices", "cpu,cpu,cpu", "--batch-size", "14", "--model", "mlp",
         "--epochs", "2")
-LOSS = "                loss = loss_fn(logits, y)"
+LOSS = "                loss = criterion(logits, y)"
 
 MUTANTS = [
     Mutant(
@@ -13,7 +13,7 @@ MUTANTS = [
         technique="dataparallel",
         file="manual_train/loops/data_parallel.py",
         old=LOSS,
-        new="                loss = torch.stack([loss_fn(lc, yc) for lc, yc in zip(logits.chunk(len(devices)), "
+        new="                loss = torch.stack([criterion(lc, yc) for lc, yc in zip(logits.chunk(len(devices)), "
             "y.chunk(len(devices)))]).mean()",
         says="Each replica's mean loss, then `.mean()` over the replicas (the loss computed inside the wrapped "
              "module, as people do to spread its memory): with uneven chunks (5 + 5 + 4) the short chunk's "
@@ -26,7 +26,7 @@ MUTANTS = [
         technique="dataparallel",
         file="manual_train/loops/data_parallel.py",
         old=LOSS,
-        new="                loss = torch.stack([loss_fn(lc, yc) for lc, yc in zip(logits.chunk(len(devices)), "
+        new="                loss = torch.stack([criterion(lc, yc) for lc, yc in zip(logits.chunk(len(devices)), "
             "y.chunk(len(devices)))]).sum()",
         says="The replicas' mean losses summed (`loss.sum()` over the gathered per-device losses): the gradient is "
              "about n times the batch's mean, a learning rate n times too large.",

@@ -89,10 +89,8 @@ MUTANTS = [
         name="ddp-logged-loss-rank-0",
         technique="ddp",
         file=FILE,
-        old="                    loss_total, correct_total, targets = all_sum(loss_sum, correct_sum, log_targets, "
-            "device=device)",
-        new="                    loss_total, correct_total, targets = loss_sum * env.world_size, correct_sum, "
-            "log_targets",
+        old="                    loss_total, correct_total, targets = all_sum(loss_sum, correct, log_targets, device=device)",
+        new="                    loss_total, correct_total, targets = loss_sum * env.world_size, correct, log_targets",
         says="The logged train loss and accuracy are rank 0's own micro-batches (the log window's sums not "
              "all-reduced): the log shows 1/N of the data, and a NaN on another rank never reaches rank 0.",
         kill=KILL, env=ENV, demo=DIGITS),

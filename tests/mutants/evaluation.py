@@ -67,8 +67,8 @@ MUTANTS = [
         name="evaluation-last-batch-as-full",
         technique="evaluation",
         file="manual_train/evaluation.py",
-        old="            loss_sum += F.cross_entropy(logits.flatten(0, -2), y.flatten(), reduction=\"sum\")",
-        new="            loss_sum += F.cross_entropy(logits.flatten(0, -2), y.flatten()) * loader.batch_size",
+        old="            loss_sum += criterion(logits, y, reduction=\"sum\")",
+        new="            loss_sum += criterion(logits, y) * loader.batch_size",
         says="Each batch's mean loss times the loader's batch size: the last, short batch counts as a full one, so "
              "the validation loss depends on --eval-batch-size.",
         kill=("tests/test_logging_eval.py::test_validation_metrics_are_exact_sums_not_a_mean_of_batch_means",),

@@ -11,8 +11,8 @@ MUTANTS = [
         name="model-parallel-mean-of-microbatch-losses",
         technique="model-parallel",
         file="manual_train/loops/model_parallel.py",
-        old="                loss = loss_fn(logits, y)",
-        new="                loss = torch.stack([loss_fn(lc, yc) for lc, yc in zip(logits.chunk(cfg.microbatches), "
+        old="                loss = criterion(logits, y)",
+        new="                loss = torch.stack([criterion(lc, yc) for lc, yc in zip(logits.chunk(cfg.microbatches), "
             "y.chunk(cfg.microbatches))]).mean()",
         says="Each micro-batch's mean loss, averaged over the micro-batches: with uneven micro-batches (4 + 4 + 2) "
              "the short one's samples weigh more than the others.",

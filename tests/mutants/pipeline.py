@@ -30,8 +30,8 @@ MUTANTS = [
         name="pipeline-micro-batches-weighted-1-over-m",
         technique="pipeline",
         file=LIB,
-        old="                part = share(out, yc, targets)",
-        new="                part = F.cross_entropy(out.flatten(0, -2), yc.flatten()) / pipe.m  # each mean / m",
+        old="                out = share(out, yc, targets) * weight",
+        new="                out = F.cross_entropy(out.flatten(0, -2), yc.flatten()) / pipe.m * weight  # each mean / m",
         says="Each micro-batch's mean loss divided by the number of micro-batches: a batch of 30 cut 8+8+7+7 "
              "weights the 7-row micro-batches as much as the 8-row ones (a mean of means, not the batch's mean).",
         kill=("tests/test_pipeline.py::test_one_stage_in_micro_batches_is_the_baseline",), demo=DEMO),

@@ -30,8 +30,8 @@ MUTANTS = [
         name="precision-o2-loss-not-scaled",
         technique="precision",
         file="manual_train/loops/apex_o2.py",
-        old="                (loss * weight * scaler.scale).backward()",
-        new="                (loss * weight).backward()",
+        old="                (loss * scaler.scale).backward()",
+        new="                loss.backward()",
         says="The loss scale left out of backward but still divided out of the gradients: every gradient is "
              "2**16 times too small (and the small ones underflow in fp16).",
         kill=(NATIVE,), demo=DEMO_O2),
@@ -94,7 +94,7 @@ MUTANTS = [
         name="precision-amp-schedule-steps-on-skip",
         technique="precision",
         file="manual_train/loops/single.py",
-        old="                if run.stepped(scaler, loss_sum):  # a skipped step does not advance the schedule",
+        old="                if run.stepped(scaler, losses):  # a skipped step does not advance the schedule",
         new="                if True:  # a skipped step does not advance the schedule",
         says="scheduler.step() after every window, also when GradScaler skipped optimizer.step() on an overflow: "
              "the schedule runs ahead of the weights (torch warns 'lr_scheduler.step() before optimizer.step()').",
