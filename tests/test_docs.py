@@ -18,7 +18,7 @@ from manual_train import docs
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]  # docs/diffs/ is generated from code
 LAUNCH_SCRIPTS = sorted(p.stem for p in (REPO / "launch").glob("*.py"))
 MODULES = ["manual_train.bench", "manual_train.find_batch_size", "manual_train.docs", "manual_train.evaluate",
-           "manual_train.checkpoint", "manual_train.generate", "manual_train.parity"]
+           "manual_train.checkpoint", "manual_train.generate", "manual_train.parity", "manual_train.tune"]
 
 
 # ---------------------------------------------------------------------- teach by diff
