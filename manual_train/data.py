@@ -37,7 +37,7 @@ from torch.utils.data import default_collate
 
 from manual_train import plugins, text, tokens
 from manual_train.config import Config, UsageError
-from manual_train.models import DataInfo, check_input_fits  # noqa: F401 (DataInfo re-exported)
+from manual_train.models import IGNORE, DataInfo, check_input_fits  # noqa: F401 (DataInfo re-exported)
 
 DIGITS_TRAIN = 1500  # 1797 = 1500 train + 297 val; 1500 divides by 2, 3, 4, 5 and 6 ranks
 DIGITS_SPLIT_KEY = 20240229  # a fixed key, independent of --seed, so the split never moves
@@ -285,7 +285,7 @@ def build_datasets(cfg: Config) -> tuple[Dataset, Dataset, DataInfo]:
     else:
         check_input_fits(cfg.model, info, "--synthetic-shape" if cfg.dataset == "synthetic" else "--model")
     if cfg.loss is not None:  # your loss: called on random logits against real targets, its contract checked
-        plugins.check_loss(cfg, info, train)
+        plugins.check_loss(cfg, info, train, IGNORE)
     return train, val, info
 
 

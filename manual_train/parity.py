@@ -170,12 +170,12 @@ class RunTrace:
         if losses is not None:
             import torch
 
-            new, self.seen = losses[self.seen:], len(losses)
-            delta = sum(part.detach().double() for part in new) if new else torch.zeros((), dtype=torch.float64)
+            new, self.seen = losses[self.seen:], len(losses)  # every micro-step adds one: never empty here
+            delta = torch.stack(new).double().sum()
             if self.run.distributed:
                 from manual_train.distributed import all_sum
 
-                (delta,) = all_sum(delta, device=delta.device if new else self.run.device)
+                (delta,) = all_sum(delta, device=delta.device)
             loss = (delta / self.loss_ranks).item()
         self._record(loss)
 

@@ -32,8 +32,6 @@ import torch.nn as nn
 
 from manual_train.errors import UsageError
 
-IGNORE_TARGET = -100  # models.IGNORE (this module imports none of ours but errors: no import cycle)
-
 
 def is_spec(name: str) -> bool:
     """A plug-in spec (PACKAGE.MODULE:CALLABLE), not a built-in name: it has a colon."""
@@ -98,13 +96,14 @@ def build_loss(cfg, default: Callable) -> Callable:
     return default if cfg.loss is None else load(cfg.loss, "--loss")
 
 
-def check_loss(cfg, info, train) -> None:
+def check_loss(cfg, info, train, ignore: int) -> None:
     """One call of the plug-in loss on random logits against the first two samples' targets, in float64: a 0-d
     tensor with a gradient, and "sum" == "mean" x the number of targets (what exact accumulation and evaluation
-    rely on). One `--loss` line otherwise; an exception inside the loss is the user's, with a note."""
+    rely on). One `--loss` line otherwise; an exception inside the loss is the user's, with a note. `ignore`:
+    models.IGNORE, passed in by data.py (this module imports none of ours but errors: no import cycle)."""
     fn = load(cfg.loss, "--loss")
     y = torch.stack([torch.as_tensor(train[i][1]) for i in range(min(2, len(train)))])
-    targets = int((y != IGNORE_TARGET).sum())
+    targets = int((y != ignore).sum())
     with torch.random.fork_rng(devices=[]):
         logits = torch.randn(*y.shape, info.num_classes, dtype=torch.float64, requires_grad=True)
     values = {}

@@ -56,6 +56,18 @@ def _fast_run(case: str, compile_: bool = True) -> dict:
     return {"step_s": clock.per_step_s(), "compile_s": summary.get("compile_s") or 0.0}
 
 
+def naive_epoch(model, loader, optimizer, loss_fn) -> list:
+    """The articles' loop over one epoch: no accumulation, no precision, `.item()` every step (a host sync)."""
+    losses = []
+    for x, y in loader:
+        optimizer.zero_grad()
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())  # a host sync every step
+    return losses
+
+
 def _naive_step_s(case: str) -> float:
     """The 10-line loop, on the same data, initial weights and learning rate."""
     import torch
@@ -73,13 +85,7 @@ def _naive_step_s(case: str) -> float:
     # ---- the naive loop
     loader = torch.utils.data.DataLoader(train_ds, batch_size=cfg.batch_size, shuffle=True)
     optimizer = opt_class(model.parameters(), lr=cfg.lr, foreach=False, fused=False)
-    losses = []
-    for x, y in loader:
-        optimizer.zero_grad()
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())  # a host sync every step
+    naive_epoch(model, loader, optimizer, loss_fn)
     # ----
     return clock.per_step_s()
 

@@ -48,6 +48,7 @@ def naive_loop(target: float, argv: list) -> None:
 
     from manual_train import data
     from manual_train.bench.harness import single_config
+    from manual_train.bench.speedups import naive_epoch
     from manual_train.models import build_model_from, loss_fn
 
     cfg = single_config(*argv)
@@ -60,13 +61,7 @@ def naive_loop(target: float, argv: list) -> None:
     val_loader = torch.utils.data.DataLoader(val_ds, batch_size=32)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9, foreach=False)
     for epoch in range(NAIVE_MAX_EPOCHS):
-        losses = []
-        for x, y in loader:
-            optimizer.zero_grad()
-            loss = loss_fn(model(x), y)
-            loss.backward()
-            optimizer.step()
-            losses.append(loss.item())  # a host sync every step
+        losses = naive_epoch(model, loader, optimizer, loss_fn)  # .item() every step
         correct = 0
         for x, y in val_loader:  # no torch.no_grad(): every batch records a graph
             correct += (model(x).argmax(1) == y).sum().item()
