@@ -29,7 +29,7 @@ test: $(VENV)/.installed
 # instruction set: the kernels, and so the fp32 rounding, differ between CPU kinds; these variables make this CPU
 # compute with a lower kind's kernels (they must be set before torch loads: one pytest process per level).
 # ISA_LEVELS=avx2 runs one level. On a CPU without AVX-512 the avx2 level is its native one.
-PARITY_TESTS ?= tests/test_accumulation.py tests/test_dp.py tests/test_mp.py tests/test_hybrid.py \
+PARITY_TESTS ?= tests/test_accumulation.py tests/test_data_parallel.py tests/test_model_parallel.py tests/test_hybrid.py \
 	tests/test_ddp_cli.py tests/test_ddp_parity.py tests/test_ddp_torchrun.py tests/test_ddp_knobs.py \
 	tests/test_zero_cli.py tests/test_zero_parity.py tests/test_pipeline.py tests/test_tensor_parallel.py \
 	tests/test_world_size.py tests/test_levers.py tests/test_precision.py tests/test_checkpoint.py

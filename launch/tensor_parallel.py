@@ -19,5 +19,5 @@ from manual_train.cli import run  # noqa: E402
 from manual_train.loops import tensor_parallel  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(run(tensor_parallel.train, tensor_parallel.TPConfig, script="tensor_parallel",
+    sys.exit(run(tensor_parallel.train, tensor_parallel.TensorParallelConfig, script="tensor_parallel",
                  doc=tensor_parallel.__doc__, **tensor_parallel.DEFAULTS))

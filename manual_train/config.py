@@ -51,13 +51,13 @@ COMPILE = ("none", "model", "blocks")  # --compile (models.compile_model, docs/l
 # which is the right order only where the wrapper leaves forward alone (single, DDP); FSDP2 and the pipeline
 # compile after wrapping instead (cfg.compile_after_wrapping)
 NO_COMPILE = {
-    "DPConfig": "DataParallel copies the module into replicas every step; a compiled forward is not what runs there",
-    "MPConfig": "model parallelism replaces forward with its own split over devices; compiling it is not built",
+    "DataParallelConfig": "DataParallel copies the module into replicas every step; a compiled forward is not what runs there",
+    "ModelParallelConfig": "model parallelism replaces forward with its own split over devices; compiling it is not built",
     "HybridConfig": "the hybrid's stages replace forward with their own split; not built for it",
-    "O2Config": "apex's amp.initialize patches forward after the model is built; not built for apex-o2",
+    "ApexO2Config": "apex's amp.initialize patches forward after the model is built; not built for apex-o2",
 }
 PRECISIONS = ("32-true", "64-true", "16-mixed", "bf16-mixed")
-# apex's O2 is its own lesson: only launch/apex_o2.py takes these (manual_train.precision.O2Config, loops/apex_o2.py)
+# apex's O2 is its own lesson: only launch/apex_o2.py takes these (manual_train/apex_o2.py, loops/apex_o2.py)
 O2_PRECISIONS = ("16-o2", "apex-o2")
 # GradScaler hands a fused optimizer the skip decision (found_inf); torch 2.14's fused SGD kernel still writes its
 # momentum buffer on a skipped (overflow) step: the next real step jumps by it and the run reaches NaN (fused AdamW
@@ -335,7 +335,7 @@ class Config:
                                           "flag", "0")
 
     def check_precision_choice(self) -> None:
-        """--precision is one of PRECISIONS; apex's O2 is refused with a pointer to its own script (O2Config, which
+        """--precision is one of PRECISIONS; apex's O2 is refused with a pointer to its own script (ApexO2Config, which
         takes only O2_PRECISIONS, overrides this)."""
         allowed = ", ".join(PRECISIONS)
         if self.precision in O2_PRECISIONS:

@@ -39,40 +39,45 @@ REPO = Path(__file__).resolve().parents[1]
 
 @dataclass(frozen=True)
 class Loop:
-    name: str  # manual_train/loops/<name>.py
+    name: str  # the technique's one name: loops/<name>.py, launch/<name>.py, SCRIPT, docs/<name>.md
     base: str  # the loop it is a diff of
-    tag: str  # marker tag of its changes
     title: str
     intro: str
 
+    @property
+    def tag(self) -> str:
+        """The marker tag of its changes: the name itself, in capitals (# >>> DATA_PARALLEL: ...)."""
+        return self.name.upper()
+
 
 LOOPS = (
-    Loop("data_parallel", "single", "DP", "DataParallel",
+    Loop("data_parallel", "single", "DataParallel",
          "One process drives several devices: the module is replicated to each every step, the batch scattered, "
-         "the outputs gathered on one device where the loss is computed (`launch/dp.py`, docs/data_parallel.md)."),
-    Loop("model_parallel", "single", "MP", "Model parallelism",
+         "the outputs gathered on one device where the loss is computed (`launch/data_parallel.py`, "
+         "docs/data_parallel.md)."),
+    Loop("model_parallel", "single", "Model parallelism",
          "The seq2seq model's encoder on one device and decoder on another, activations moved explicitly, "
-         "optionally pipelined over micro-batches (`launch/mp.py`, docs/model_parallel.md)."),
-    Loop("hybrid", "single", "HYBRID", "Hybrid DP + MP",
+         "optionally pipelined over micro-batches (`launch/model_parallel.py`, docs/model_parallel.md)."),
+    Loop("hybrid", "single", "Hybrid DP + MP",
          "Model parallelism whose halves are each data-parallel (dp-mp), or split models replicated by DDP "
          "(ddp-mp) (`launch/hybrid.py`, docs/hybrid.md)."),
-    Loop("ddp", "single", "DDP", "DistributedDataParallel",
+    Loop("ddp", "single", "DistributedDataParallel",
          "One process per device under torchrun, gradients all-reduced during backward (`launch/ddp.py`, "
          "docs/ddp.md)."),
-    Loop("apex_o2", "single", "O2", "apex's O2",
+    Loop("apex_o2", "single", "apex's O2",
          "apex's O2 written out (the first article's tip 7): an fp16 model with BatchNorm kept fp32, fp32 master "
          "weights in the optimizer, a dynamic loss scale, the fp16 gradients unscaled into the masters and the "
          "masters copied back after each step; `--precision apex-o2` lets apex.amp do it (`launch/apex_o2.py`, "
-         "docs/precision.md)."),
-    Loop("pipeline", "single", "PIPE", "Pipeline parallelism",
+         "docs/apex_o2.md)."),
+    Loop("pipeline", "single", "Pipeline parallelism",
          "The GPT's blocks split into stages, one per rank under torchrun, each batch cut into micro-batches: GPipe "
          "written out with send/recv, or torch.distributed.pipelining's gpipe, 1f1b, interleaved-1f1b; the same "
          "weights as the baseline, also for a batch that does not split evenly (`launch/pipeline.py`, "
          "docs/pipeline.md). Its base is the baseline: every stage reads the same batches (no data parallelism)."),
-    Loop("zero", "ddp", "ZERO", "ZeRO sharding",
+    Loop("zero", "ddp", "ZeRO sharding",
          "The DDP loop with optimizer state, gradients and parameters sharded across ranks by fairscale or "
          "torch (`launch/zero.py`, docs/zero.md). Its base is the DDP loop, so its diff shows ZeRO alone."),
-    Loop("tensor_parallel", "zero", "TP", "Tensor parallelism (and 2-D FSDP2 x TP)",
+    Loop("tensor_parallel", "zero", "Tensor parallelism (and 2-D FSDP2 x TP)",
          "The GPT's attention and MLP split column/row-wise over --tp ranks of a DeviceMesh, and FSDP2 over --dp "
          "replicas of that (`launch/tensor_parallel.py`, docs/tensor_parallel.md). Its base is the ZeRO loop."),
 )

@@ -125,7 +125,7 @@ class Seq2Seq(nn.Module):
 
     The input is one (B, 2, L) tensor (source row, decoder-input row) so that every loop can call
     model(x) and scatter x along the batch dimension. Model parallelism replaces forward (see
-    manual_train/parallel.py) and keeps these two submodules.
+    manual_train/model_parallel.py) and keeps these two submodules.
     """
 
     def __init__(self, vocab: int, emb: int = 64, hidden: int = 128):
@@ -140,7 +140,7 @@ class Seq2Seq(nn.Module):
 
 class CausalSelfAttention(nn.Module):
     """q, k and v are three Linears (torchtitan's wq, wk, wv), not one fused qkv: tensor parallelism's column split
-    (manual_train/tensor_parallelism.py) then gives each rank whole heads of each, and every state dict, sharded or
+    (manual_train/tensor_parallel.py) then gives each rank whole heads of each, and every state dict, sharded or
     not, holds the same layout at any --tp. The views count heads with -1: n_head here, n_head/tp on a TP rank."""
 
     def __init__(self, n_embd: int, n_head: int, dropout: float = 0.0):
@@ -207,7 +207,7 @@ class GPT(nn.Module):
             x = block(x)
         return self.logits(x)
 
-    # forward's first and last parts, named so that a pipeline stage (manual_train/pipelining.py) runs the same code
+    # forward's first and last parts, named so that a pipeline stage (manual_train/pipeline.py) runs the same code
     def embed(self, idx):  # (B, T) token ids -> (B, T, C)
         pos = torch.arange(idx.shape[1], device=idx.device)
         return self.drop(self.tok(idx) + self.pos(pos))
@@ -331,7 +331,7 @@ def build_model_from(cfg, info: DataInfo) -> nn.Module:
     """build_model with the run's model flags (--model, --dropout, --activation-checkpointing, --compile): the
     loops' call, before any wrapper."""
     model = build_model(cfg.model, info, cfg.dropout, cfg.activation_checkpointing)
-    # FSDP2 and the pipeline's stages compile after sharding or splitting (zero.compile_sharded, pipelining.Pipeline)
+    # FSDP2 and the pipeline's stages compile after sharding or splitting (zero.compile_sharded, pipeline.Pipeline)
     return compile_model(cfg.model, model, "none" if getattr(cfg, "compile_after_wrapping", False) else cfg.compile)
 
 

@@ -30,7 +30,7 @@ class Sharded:
 
     wrapper: DDP, ShardedDataParallel or the FSDP root (what no_sync, clipping and the state dicts use);
     model: what the loop calls (the wrapper, inside CastInputs under 64-true: the cast stays outermost);
-    cfg: the run's zero.ZeroConfig (tensor_parallelism.TPConfig, a subclass, for TP).
+    cfg: the run's zero.ZeroConfig (tensor_parallel.TensorParallelConfig, a subclass, for TP).
     """
 
     def __init__(self, wrapper: nn.Module, optimizer, raw_model: nn.Module, cfg, device: torch.device,

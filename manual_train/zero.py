@@ -205,7 +205,7 @@ def _constructor_kwargs(optimizer: torch.optim.Optimizer) -> dict:
 def sharding_spec(model: nn.Module, optimizer: torch.optim.Optimizer, cfg: ZeroConfig,
                   device: torch.device) -> tuple[dict, type, dict]:
     """(the Sharded's keyword arguments, the optimizer's class, its constructor's keyword arguments) for shard() and
-    tensor_parallelism.parallelize(): raw_model with the 64-true cast peeled off (put back around the result),
+    tensor_parallel.parallelize(): raw_model with the 64-true cast peeled off (put back around the result),
     psi counted before sharding, and the hyper-parameters the optimizer is rebuilt with around the shards."""
     assert len(optimizer.param_groups) == 1, "one parameter group (what optim.build_optimizer builds)"
     casts = isinstance(model, CastInputs)

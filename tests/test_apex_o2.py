@@ -13,7 +13,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from manual_train.cli import run
 from manual_train.loops import apex_o2, single
-from manual_train.precision import DynamicLossScaler, O2Config, O2Forward, O2Masters, cast_o2
+from manual_train.apex_o2 import ApexO2Config, DynamicLossScaler, O2Forward, O2Masters, cast_o2
 from manual_train.runtime import TrainingDiverged
 
 
@@ -88,7 +88,7 @@ def test_o2_invariants_hold_at_every_step_of_the_loop(tmp_path, monkeypatch):
              register_optimizer_step_post_hook(lambda opt, *_: masters_after.__setitem__(
                  slice(None), [m.detach().clone() for m in opt.param_groups[0]["params"]]))]
     try:
-        summary = apex_o2.train(make_cfg(tmp_path, O2Config, max_steps=5, log_every=1))
+        summary = apex_o2.train(make_cfg(tmp_path, ApexO2Config, max_steps=5, log_every=1))
     finally:
         for hook in hooks:
             hook.remove()
@@ -135,7 +135,7 @@ def test_o2_equals_native_fp16_autocast_without_batchnorm(tmp_path):
     weights, and both step fp32 weights: the two trajectories agree to rounding."""
     a = single.train(make_cfg(tmp_path, out_dir=str(tmp_path / "amp"), precision="16-mixed", model="mlp",
                               max_steps=40))
-    b = train_or_fail(apex_o2, make_cfg(tmp_path, O2Config, out_dir=str(tmp_path / "o2"), model="mlp", max_steps=40))
+    b = train_or_fail(apex_o2, make_cfg(tmp_path, ApexO2Config, out_dir=str(tmp_path / "o2"), model="mlp", max_steps=40))
     wa = torch.load(tmp_path / "amp" / "last.pt", weights_only=True)["model"]
     wb = torch.load(tmp_path / "o2" / "last.pt", weights_only=True)["model"]
     diff = max_param_diff(wa, wb)
@@ -149,7 +149,7 @@ def test_o2_equals_native_fp16_autocast_with_gradient_clipping(tmp_path):
     agree to rounding. Clipping the scaled gradients, or gradients that are no longer there, does not."""
     flags = dict(model="mlp", max_steps=40, grad_clip=0.1)
     a = train_or_fail(single, make_cfg(tmp_path, out_dir=str(tmp_path / "amp"), precision="16-mixed", **flags))
-    b = train_or_fail(apex_o2, make_cfg(tmp_path, O2Config, out_dir=str(tmp_path / "o2"), **flags))
+    b = train_or_fail(apex_o2, make_cfg(tmp_path, ApexO2Config, out_dir=str(tmp_path / "o2"), **flags))
     wa = torch.load(tmp_path / "amp" / "last.pt", weights_only=True)["model"]
     wb = torch.load(tmp_path / "o2" / "last.pt", weights_only=True)["model"]
     diff = max_param_diff(wa, wb)
@@ -178,7 +178,7 @@ def test_other_scripts_refuse_o2_and_point_to_its_script(tmp_path, capsys, preci
 
 def test_apex_o2_script_takes_o2_only(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
-        run(apex_o2.train, O2Config, script="apex_o2", argv=["--precision", "16-mixed"])
+        run(apex_o2.train, ApexO2Config, script="apex_o2", argv=["--precision", "16-mixed"])
     assert e.value.code == 2
     assert capsys.readouterr().err.strip() == \
         "error: --precision: invalid choice: '16-mixed' (allowed: '16-o2', 'apex-o2')"

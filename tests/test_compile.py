@@ -142,7 +142,7 @@ def test_fsdp2_and_pipeline_compile_blocks_after_wrapping_and_train_as_eager(tmp
 
 
 @pytest.mark.parametrize("config,argv,text", [
-    ("dp", dict(compile="model"), "DataParallel copies the module"),
+    ("data_parallel", dict(compile="model"), "DataParallel copies the module"),
     ("zero", dict(compile="model", impl="fairscale"), "fairscale's wrappers"),
     ("single", dict(compile="blocks", model="mlp"), "--model mlp has no repeated blocks to compile"),
     ("single", dict(compile="model", model="gpt", dataset="reverse", activation_checkpointing="full"),
@@ -150,8 +150,8 @@ def test_fsdp2_and_pipeline_compile_blocks_after_wrapping_and_train_as_eager(tmp
 ])
 def test_compile_is_refused_where_it_is_not_built(config, argv, text, tmp_path):
     from manual_train.config import Config
-    from manual_train.parallel import DPConfig
+    from manual_train.data_parallel import DataParallelConfig
     from manual_train.zero import ZeroConfig
 
     with pytest.raises(UsageError, match=text):
-        make_cfg(tmp_path, {"single": Config, "dp": DPConfig, "zero": ZeroConfig}[config], **argv)
+        make_cfg(tmp_path, {"single": Config, "data_parallel": DataParallelConfig, "zero": ZeroConfig}[config], **argv)

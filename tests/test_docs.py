@@ -110,6 +110,24 @@ def test_every_lesson_is_within_its_budget():
     assert docs.over_budget() == []
 
 
+def test_one_name_per_technique():
+    """A technique has one name: its loop, its launch script, its SCRIPT (run folder prefix, summary.json's
+    `script`), its docs page and its marker tag (the name in capitals); launch/ and loops/ hold the same names."""
+    import importlib
+
+    names = {loop.name for loop in docs.LOOPS} | {"single"}
+    assert {p.stem for p in (REPO / "launch").glob("*.py")} == names
+    assert {p.stem for p in (REPO / "manual_train" / "loops").glob("*.py")} - {"__init__"} == names
+    for name in sorted(names):
+        module = importlib.import_module(f"manual_train.loops.{name}")
+        assert module.SCRIPT == name, f"loops/{name}.py: SCRIPT = {module.SCRIPT!r}"
+        launch = (REPO / "launch" / f"{name}.py").read_text()
+        assert f"from manual_train.loops import {name}" in launch and f'script="{name}"' in launch, name
+    for loop in docs.LOOPS:
+        assert (REPO / "docs" / f"{loop.name}.md").is_file(), f"docs/{loop.name}.md"
+        assert loop.tag == loop.name.upper() and f"# >>> {loop.tag}:" in "\n".join(docs.loop_lines(loop.name))
+
+
 # ---------------------------------------------------------------------- --help of every entry point
 def run_help(target: str) -> str:
     """Execute a launch script (or `python -m` module) in-process with --help; return what it printed."""

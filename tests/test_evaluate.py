@@ -47,7 +47,7 @@ def test_evaluates_the_checkpoint_exactly(trained, capsys):
 
 
 def test_a_data_parallel_checkpoint_loads_into_the_plain_model(tmp_path, capsys):
-    summary = data_parallel.train(make_cfg(tmp_path, data_parallel.DPConfig, model="mlp", max_steps=5,
+    summary = data_parallel.train(make_cfg(tmp_path, data_parallel.DataParallelConfig, model="mlp", max_steps=5,
                                            devices="cpu,cpu", impl="explicit"))
     result = evaluated(capsys, "--checkpoint", str(tmp_path / "run" / "last.pt"))
     assert result["loss"] == pytest.approx(summary["final_val_loss"], rel=1e-6)

@@ -165,9 +165,9 @@ def test_every_loop_starts_with_set_deterministic_once(loop):
 
 # ---------------------------------------------------------------------- one GPU, named twice
 def test_model_parallelism_on_one_gpu_passes_validation(tmp_path, one_gpu_machine):
-    cfg = make_cfg(tmp_path, model_parallel.MPConfig, dataset="reverse", model="seq2seq", devices="cuda:0,cuda:0")
+    cfg = make_cfg(tmp_path, model_parallel.ModelParallelConfig, dataset="reverse", model="seq2seq", devices="cuda:0,cuda:0")
     assert cfg.device_list() == [torch.device("cuda:0")] * 2
-    auto = make_cfg(tmp_path, model_parallel.MPConfig, dataset="reverse", model="seq2seq")
+    auto = make_cfg(tmp_path, model_parallel.ModelParallelConfig, dataset="reverse", model="seq2seq")
     assert auto.device_list() == [torch.device("cuda:0")] * 2  # auto on one GPU: both halves on it
 
 
@@ -209,7 +209,7 @@ def _summarize(tmp_path: Path, log: str, rc: int) -> subprocess.CompletedProcess
 
 ONE_GPU_LOG = """\
 tests/test_bench.py::test_logging_idioms_sync_counts_on_cuda PASSED                  [  4%]
-tests/test_dp.py::test_gpu_dp_equals_single_gpu[torch] SKIPPED (needs 2 CUDA device(s)) [ 40%]
+tests/test_data_parallel.py::test_gpu_dp_equals_single_gpu[torch] SKIPPED (needs 2 CUDA device(s)) [ 40%]
 tests/test_zero_gpu.py::TestOneGPU::test_fsdp2 FAILED                                [ 90%]
 =================================== FAILURES ===================================
 E   AssertionError: 0.1 > 0.05

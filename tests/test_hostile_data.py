@@ -131,7 +131,7 @@ def test_synthetic_shape_too_small_for_the_cnn_is_one_line(tmp_path, capsys, sha
 
 
 LOOPS = [
-    (data_parallel.train, data_parallel.DPConfig, "dp", ["--devices", "cpu,cpu"], {}),
+    (data_parallel.train, data_parallel.DataParallelConfig, "data_parallel", ["--devices", "cpu,cpu"], {}),
     (ddp.train, ddp.DDPConfig, "ddp", [], ddp.DEFAULTS),
 ]
 

@@ -21,17 +21,17 @@ from manual_train.cli import run
 from manual_train.config import MAX_SEED, Config, parse_config
 from manual_train.loops import apex_o2, data_parallel, ddp, hybrid, model_parallel, single
 from manual_train.loops import zero as zero_loop
-from manual_train.precision import O2Config
+from manual_train.apex_o2 import ApexO2Config
 
 # (script, module, config class): what launch/<script>.py passes to run(), with the module's DEFAULTS
 SCRIPTS = [
     ("single", single, Config),
-    ("dp", data_parallel, data_parallel.DPConfig),
-    ("mp", model_parallel, model_parallel.MPConfig),
+    ("data_parallel", data_parallel, data_parallel.DataParallelConfig),
+    ("model_parallel", model_parallel, model_parallel.ModelParallelConfig),
     ("hybrid", hybrid, hybrid.HybridConfig),
     ("ddp", ddp, ddp.DDPConfig),
     ("zero", zero_loop, zero_loop.ZeroConfig),
-    ("apex_o2", apex_o2, O2Config),
+    ("apex_o2", apex_o2, ApexO2Config),
 ]
 
 
@@ -149,7 +149,7 @@ O2_NUMBERS = [
 @pytest.mark.parametrize("argv,flag,text", O2_NUMBERS, ids=[" ".join(a) for a, _, _ in O2_NUMBERS])
 def test_bad_o2_numbers_are_one_line_exit_2(argv, flag, text, empty_cwd, capsys):
     assert run_cli(argv + ["--out-dir", str(empty_cwd / "run")], script="apex_o2", module=apex_o2,
-                   config_cls=O2Config) == 2
+                   config_cls=ApexO2Config) == 2
     line = assert_one_line(capsys.readouterr().err, flag)
     assert line.startswith(f"error: {flag}: {text}"), line
     assert_nothing_written(empty_cwd)

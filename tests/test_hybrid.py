@@ -1,4 +1,4 @@
-"""Hybrid data + model parallelism (launch/hybrid.py, manual_train/loops/hybrid.py, parallel.hybrid_dp_mp).
+"""Hybrid data + model parallelism (launch/hybrid.py, manual_train/loops/hybrid.py, manual_train/hybrid.py).
 
 dp-mp (one process, DataParallel inside each half; like every run of the loop a process group, here of one, with DDP
 over the split averaging over that one process) trains the baseline's weights, and each wrapper holds its own half
@@ -9,7 +9,7 @@ ddp-mp with launch/ddp.py's --backend, --dist-timeout-s and DDP's exact knobs (H
 knobs are refused under dp-mp, --sync-bn everywhere: test_bad_input_is_one_line).
 
 The parity proofs run in 64-true (float64; docs/parity.md) within PARITY_TOL_64 = 1e-9, over two epochs: dp-mp on
-test_mp.SEQ_PARITY's horizon (205 samples, 42 SGD steps, each epoch's last batch 5 = 3 + 2 over a group of two),
+test_model_parallel.SEQ_PARITY's horizon (205 samples, 42 SGD steps, each epoch's last batch 5 = 3 + 2 over a group of two),
 ddp-mp on 260 samples x 2 epochs with accumulate 2 (each epoch's last window partial; 14 steps). Known-wrong
 variants of the technique's own code fail the same checks: the article's wrapping (the decoder's wrapper not holding
 the model's decoder, which is then never trained) and, for ddp-mp, DistributedSampler's padding (below); the
@@ -36,16 +36,20 @@ from conftest import (PARITY_TOL_64, SEQ, as_torchrun_rank, assert_cross_path_64
                       assert_within_fp32_floor, cuda_devices, fp32_noise_floor, load_model_state, make_cfg,
                       max_param_diff, run_script, torchrun, train_state)
 from jobs import run_job
-from test_mp import SEQ_FP32, SEQ_PARITY
-from manual_train import data, parallel
+from test_model_parallel import SEQ_FP32, SEQ_PARITY
+from manual_train import data
 from manual_train.checkpoint import REQUIRED_KEYS
 from manual_train.cli import run as cli_run
 from manual_train.config import Config
 from manual_train.data import ReverseDigits
+from manual_train.data_parallel import ExplicitDataParallel, data_parallel
 from manual_train.distributed import DistEnv
+from manual_train.hybrid import hybrid_dp_mp as real_hybrid_dp_mp
 from manual_train.loops import hybrid, model_parallel, single
 from manual_train.metrics import CSV_COLUMNS, SUMMARY_KEYS
+from manual_train.model_parallel import DecoderStage, EncoderStage
 from manual_train.models import Seq2Seq
+from manual_train.runtime import cuda_list
 
 CPU = torch.device("cpu")
 # Every run of the loop joins a process group (plain python: a group of one), and setup() adds MASTER_ADDR and
@@ -69,11 +73,11 @@ def test_dp_mp_wrappers_hold_their_own_stage(impl):
     """Regression for the article's `self.decoder = DataParallel(self.encoder, ...)`, which the check catches."""
     torch.manual_seed(0)
     model = Seq2Seq(ReverseDigits.VOCAB)
-    split = parallel.hybrid_dp_mp(model, [CPU, CPU], [CPU, CPU], impl)
+    split = real_hybrid_dp_mp(model, [CPU, CPU], [CPU, CPU], impl)
     assert stages_hold_their_halves(split, model)
     assert param_ids(split) == param_ids(model)  # nothing copied, nothing left out
     article = copy.copy(split)
-    article.decoder = parallel.data_parallel(parallel.EncoderStage(model.encoder), [CPU, CPU], CPU, impl)
+    article.decoder = data_parallel(EncoderStage(model.encoder), [CPU, CPU], CPU, impl)
     assert not stages_hold_their_halves(article, model)
 
 
@@ -84,9 +88,9 @@ def test_stage_hands_the_hidden_state_over_batch_first():
     model = Seq2Seq(ReverseDigits.VOCAB).double()  # float64: exact to 1e-9 on any CPU
     src = ReverseDigits(10, seed=3).x[:, 0]
     h = model.encoder(src)
-    raw = parallel.ExplicitDataParallel(model.encoder, [CPU, CPU], CPU)(src)
+    raw = ExplicitDataParallel(model.encoder, [CPU, CPU], CPU)(src)
     assert h.shape == (1, 10, 128) and raw.shape == (2, 5, 128)
-    staged = parallel.ExplicitDataParallel(parallel.EncoderStage(model.encoder), [CPU, CPU], CPU)(src)
+    staged = ExplicitDataParallel(EncoderStage(model.encoder), [CPU, CPU], CPU)(src)
     assert (staged.transpose(0, 1) - h).abs().max() <= PARITY_TOL_64
 
 
@@ -101,17 +105,13 @@ def train_dp_mp(tmp_path, name, impl, **flags):
                        devices="cpu,cpu,cpu,cpu", **flags)
 
 
-real_hybrid_dp_mp = parallel.hybrid_dp_mp
-
-
 def articles_wrapping(model, group_a, group_b, impl="torch"):
     """The article's `self.decoder = DataParallel(self.encoder, ...)` as a run: the decoder's wrapper does not hold the
     model's decoder, so the model's decoder is never used or trained. (The article's exact line cannot run here: the
     encoder takes other inputs than the decoder. A wrapper around a copy of the decoder keeps the mistake: the
     optimizer steps the copy, and the model, the checkpoint's weights, keeps its initial decoder.)"""
     split = real_hybrid_dp_mp(model, group_a, group_b, impl)
-    split.decoder = parallel.data_parallel(parallel.DecoderStage(copy.deepcopy(model.decoder)), group_b, group_b[0],
-                                           impl)
+    split.decoder = data_parallel(DecoderStage(copy.deepcopy(model.decoder)), group_b, group_b[0], impl)
     return split
 
 
@@ -129,8 +129,8 @@ def test_dp_mp_equals_baseline(tmp_path, baseline, impl):
 
 
 def test_the_articles_wrapping_fails_the_same_check(tmp_path, baseline, monkeypatch):
-    """The loop with parallel.hybrid_dp_mp swapped for the article's wrapping: the model's decoder is never trained."""
-    monkeypatch.setattr(parallel, "hybrid_dp_mp", articles_wrapping)
+    """The loop with hybrid_dp_mp swapped for the article's wrapping: the model's decoder is never trained."""
+    monkeypatch.setattr("manual_train.hybrid.hybrid_dp_mp", articles_wrapping)
     wrong, _ = train_dp_mp(tmp_path, "wrong", "explicit", **SEQ_PARITY)
     assert max_param_diff(baseline[0], wrong) > 1e6 * PARITY_TOL_64  # measured 1.3
 
@@ -141,7 +141,7 @@ def test_fp32_dp_mp_within_the_noise_floor_and_the_articles_wrapping_is_not(tmp_
     floor = fp32_noise_floor(lambda name: train_state(single, Config, tmp_path, name, **SEQ_FP32)[0], base)
     state, _ = train_dp_mp(tmp_path, "h", "explicit", **SEQ_FP32)
     assert_within_fp32_floor(max_param_diff(base, state), floor, "dp-mp explicit vs one device")
-    monkeypatch.setattr(parallel, "hybrid_dp_mp", articles_wrapping)
+    monkeypatch.setattr("manual_train.hybrid.hybrid_dp_mp", articles_wrapping)
     wrong, _ = train_dp_mp(tmp_path, "wrong", "explicit", **SEQ_FP32)
     with pytest.raises(AssertionError):
         assert_within_fp32_floor(max_param_diff(base, wrong), floor, "the article's wrapping vs one device")
@@ -149,7 +149,7 @@ def test_fp32_dp_mp_within_the_noise_floor_and_the_articles_wrapping_is_not(tmp_
 
 def test_resume_continues_exactly(tmp_path):
     """3 steps, then --resume auto on to 6: the weights of 6 steps straight, and the resumed call trains only the 3
-    remaining batches, the straight run's last 3; a rerun from scratch (--resume ignored) trains all 6 (test_dp.py)."""
+    remaining batches, the straight run's last 3; a rerun from scratch (--resume ignored) trains all 6 (test_data_parallel.py)."""
     common = dict(SEQ, mode="dp-mp", impl="explicit", schedule="constant")
     assert_resumes_not_reruns(tmp_path, hybrid, hybrid.HybridConfig, **common)
 
@@ -303,7 +303,7 @@ def test_ddp_mp_each_local_rank_takes_its_own_pair(monkeypatch):
     none. (This host is told it has 8 GPUs: device_groups only names them.)"""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
-    for devices in ("auto", parallel.cuda_list(8)):
+    for devices in ("auto", cuda_list(8)):
         cfg = hybrid.HybridConfig(mode="ddp-mp", devices=devices)
         pairs = [cfg.device_groups(DistEnv(rank=r, local_rank=r, world_size=4, local_world_size=4, launched=True))
                  for r in range(4)]
@@ -311,13 +311,13 @@ def test_ddp_mp_each_local_rank_takes_its_own_pair(monkeypatch):
 
 
 def test_defaults_are_mp_py_task_and_budget():
-    """launch/hybrid.py trains launch/mp.py's model on its data (hybrid_setup keeps its own copy of the dict)."""
+    """launch/hybrid.py trains launch/model_parallel.py's model on its data (hybrid keeps its own copy of the dict)."""
     assert hybrid.DEFAULTS == model_parallel.DEFAULTS
 
 
 # ---------------------------------------------------------------------- bad input
 def test_bad_input_is_one_line(tmp_path, capsys, monkeypatch):
-    from test_dp import cuda_missing_line
+    from test_data_parallel import cuda_missing_line
 
     cases = [
         (["--devices", "cpu,cpu,cpu"], "error: --devices: 3 devices given; dp-mp needs an even number (two equal "

@@ -21,7 +21,7 @@ from manual_train.loops import hybrid, model_parallel, single
 @pytest.mark.parametrize("microbatches", [1, 4])
 def test_model_parallelism_on_one_gpu_equals_the_baseline(tmp_path, microbatches):
     base, _ = train_state(single, Config, tmp_path, "s", device="cuda:0", **SEQ)
-    state, summary = train_state(model_parallel, model_parallel.MPConfig, tmp_path, "mp", devices="cuda:0,cuda:0",
+    state, summary = train_state(model_parallel, model_parallel.ModelParallelConfig, tmp_path, "mp", devices="cuda:0,cuda:0",
                                  microbatches=microbatches, **SEQ)
     assert max_param_diff(base, state) < 1e-5  # cuDNN's GRU over micro-batches rounds differently
     assert set(summary["peak_mem_bytes_per_device"]) == {"cuda:0"}

@@ -1,4 +1,4 @@
-"""Pipeline parallelism (launch/pipeline.py, manual_train/loops/pipeline.py, manual_train/pipelining.py).
+"""Pipeline parallelism (launch/pipeline.py, manual_train/loops/pipeline.py, manual_train/pipeline.py).
 
 Parity in 64-true (PARITY_TOL_64 = 1e-9) against the baseline (loops/single.py, one process, the same flags): two
 ranks, one stage each, train the GPT on the reverse task for two epochs of 203 samples in batches of 30 (the epoch's
@@ -28,7 +28,7 @@ import torch
 from conftest import (assert_same_path_bitwise, PARITY_TOL_64, assert_within_fp32_floor, fp32_noise_floor, load_model_state, make_cfg,
                       max_param_diff, run_script, train_state)
 from jobs import run_job
-from manual_train import pipelining
+import manual_train.pipeline
 from manual_train.bench import pipeline as bench_pipeline
 from manual_train.config import Config, UsageError
 from manual_train.loops import pipeline, single
@@ -64,15 +64,15 @@ def _scenario_resume(out: Path) -> dict:
 def _scenario(name: str, world_size: int, rank: int, out: Path) -> dict:
     if name == "resume":
         return _scenario_resume(out / name)
-    real_share = pipelining.share
+    real_share = manual_train.pipeline.share
     if name.startswith("wrong"):  # every micro-batch's mean loss weighted 1/m: the short ones' samples count more
-        pipelining.share = lambda logits, y, targets: loss_fn(logits, y) / M
+        manual_train.pipeline.share = lambda logits, y, targets: loss_fn(logits, y) / M
     try:
         flags = FP32 if name.endswith("fp32") else PARITY
         cfg = make_cfg(out / name, pipeline.PipelineConfig, microbatches=M, **flags, **SCENARIOS[name])
         summary = pipeline.train(cfg)
     finally:
-        pipelining.share = real_share
+        manual_train.pipeline.share = real_share
     return {k: summary[k] for k in ("optimizer_steps", "samples_seen", "global_batch_size", "final_val_loss")}
 
 
@@ -157,10 +157,10 @@ def test_one_stage_in_micro_batches_is_the_baseline(tmp_path):
 
 def test_uneven_micro_batches_are_tensor_splits_and_padding_is_ignored():
     x, y = torch.arange(30).view(30, 1), torch.arange(30).view(30, 1)
-    assert [len(c) for c, _ in pipelining.micro_batches(x, y, 4)] == [8, 8, 7, 7]
-    assert [len(c) for c, _ in pipelining.micro_batches(x[:3], y[:3], 4)] == [1, 1, 1]  # no empty micro-batch
-    padded = pipelining.pad(y, 4, pipelining.IGNORE)
-    assert padded.shape == (32, 1) and (padded[30:] == pipelining.IGNORE).all()
+    assert [len(c) for c, _ in manual_train.pipeline.micro_batches(x, y, 4)] == [8, 8, 7, 7]
+    assert [len(c) for c, _ in manual_train.pipeline.micro_batches(x[:3], y[:3], 4)] == [1, 1, 1]  # no empty micro-batch
+    padded = manual_train.pipeline.pad(y, 4, manual_train.pipeline.IGNORE)
+    assert padded.shape == (32, 1) and (padded[30:] == manual_train.pipeline.IGNORE).all()
 
 
 @pytest.mark.parametrize("args, env, expect", [

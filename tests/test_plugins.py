@@ -4,7 +4,7 @@ What is proven here:
   parity ............. the example model (manual_train.examples.tiny_vit) on a plug-in dataset of 61 digits (odd: 2
                        ranks' shards are 31 and 30) trains single.py's weights in 64-true within 1e-9 over 2 epochs
                        under DDP, ZeRO-1, FSDP2 (stage 3, each ViT block its own unit) and fairscale stage 2, 2 ranks
-                       on gloo, and under launch/dp.py's DataParallel over two CPU replicas; FSDP2 that shards the plug-in's units but sums the ranks' gradients (divide factor 1)
+                       on gloo, and under launch/data_parallel.py's DataParallel over two CPU replicas; FSDP2 that shards the plug-in's units but sums the ranks' gradients (divide factor 1)
                        fails the same check
   ImageFolder ........ PNG files written here are read by manual_train.examples.image_folder with the values written,
                        train through single.py, and `python -m manual_train.evaluate` rebuilds the plug-ins from the
@@ -158,10 +158,10 @@ def test_the_example_model_trains_single_pys_weights_in_every_data_parallel_loop
 
 
 def test_the_example_model_trains_single_pys_weights_under_data_parallel(tmp_path, baseline):
-    """launch/dp.py's hand-written DataParallel (replicate, scatter, parallel_apply, gather) over two CPU devices."""
+    """launch/data_parallel.py's hand-written DataParallel (replicate, scatter, parallel_apply, gather) over two CPU devices."""
     from manual_train.loops import data_parallel
 
-    weights, _ = train_state(data_parallel, data_parallel.DPConfig, tmp_path, "dp", impl="explicit",
+    weights, _ = train_state(data_parallel, data_parallel.DataParallelConfig, tmp_path, "dp", impl="explicit",
                              devices="cpu,cpu", **FLAGS, batch_size=RANKS * BATCH * ACCUMULATE)
     assert_cross_path_64(weights, baseline[0], "dp: tiny_vit on 61 digits, 2 CPU replicas")
 
@@ -270,10 +270,10 @@ def test_a_bad_plugin_is_one_line_exit_2_and_nothing_written(argv, expect, tmp_p
 
 
 @pytest.mark.parametrize("config_cls_path,what", [
-    ("manual_train.parallel:MPConfig", "model parallelism splits seq2seq's encoder and decoder"),
-    ("manual_train.hybrid_setup:HybridConfig", "the hybrid splits seq2seq's encoder and decoder"),
-    ("manual_train.pipelining:PipelineConfig", "the pipeline splits the GPT's blocks"),
-    ("manual_train.tensor_parallelism:TPConfig", "tensor parallelism splits the GPT's attention and MLP")])
+    ("manual_train.model_parallel:ModelParallelConfig", "model parallelism splits seq2seq's encoder and decoder"),
+    ("manual_train.hybrid:HybridConfig", "the hybrid splits seq2seq's encoder and decoder"),
+    ("manual_train.pipeline:PipelineConfig", "the pipeline splits the GPT's blocks"),
+    ("manual_train.tensor_parallel:TensorParallelConfig", "tensor parallelism splits the GPT's attention and MLP")])
 def test_the_splitting_loops_refuse_a_plugin_model_naming_what_it_lacks(config_cls_path, what, monkeypatch):
     import importlib
 
@@ -319,7 +319,7 @@ def test_the_loss_plugin_is_the_one_trained_and_evaluated_with(tmp_path):
     from manual_train import data, models
     from manual_train.evaluation import evaluate as evaluate_sums
     from manual_train.examples.focal_loss import focal_loss
-    from manual_train.pipelining import PipelineConfig
+    from manual_train.pipeline import PipelineConfig
     from manual_train.precision import CastInputs
 
     cfg = make_cfg(tmp_path, loss=FOCAL, precision="64-true", max_steps=3)

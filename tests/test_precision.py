@@ -13,13 +13,14 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from manual_train.config import O2_PRECISIONS, Config
 from manual_train.loops import apex_o2, single
-from manual_train.precision import CastInputs, O2Config, param_dtype
+from manual_train.apex_o2 import ApexO2Config
+from manual_train.precision import CastInputs, param_dtype
 from manual_train.runtime import TrainingDiverged
 
 
 def loop_for(precision: str):
     """(loop module, config class): apex's O2 is its own loop (launch/apex_o2.py), every other precision single's."""
-    return (apex_o2, O2Config) if precision in O2_PRECISIONS else (single, Config)
+    return (apex_o2, ApexO2Config) if precision in O2_PRECISIONS else (single, Config)
 
 
 def train(tmp_path, precision: str, **flags) -> dict:

@@ -1,5 +1,5 @@
 """Tensor parallelism and 2-D FSDP2 x TP (launch/tensor_parallel.py, manual_train/loops/tensor_parallel.py,
-manual_train/tensor_parallelism.py), and its sharded checkpoints (--checkpoint-format dcp) across world sizes.
+manual_train/tensor_parallel.py), and its sharded checkpoints (--checkpoint-format dcp) across world sizes.
 
 Parity in 64-true (PARITY_TOL_64 = 1e-9) against the baseline (loops/single.py, one process, the same flags): the
 GPT on the reverse task, 100 samples in batches of 16 (the epoch's last batch 4), accumulation over 2 batches,
@@ -8,7 +8,7 @@ on 4 (FSDP2 over 2 replicas of batch 8, the epoch's last micro-batches 2 and 2),
 --sequence-parallel. fp32: --tp 2 within 10 noise floors measured here (the baseline's drift from a one-ulp change
 of its initial weights). Known-wrong variants that must fail, each monkeypatched here: attention viewing a rank's
 C/tp columns as a fixed n_head heads (in place of models.py's -1: n_head/tp heads), and the layers left unsharded
-(tensor_parallelism.replicate a no-op) under the default (fused) and the foreach AdamW (the DTensor/foreach trap:
+(tensor_parallel.replicate a no-op) under the default (fused) and the foreach AdamW (the DTensor/foreach trap:
 optimizer.step raises). Resumes: a --tp 2 run from its own last.pt mid-epoch; the --dp 2 --tp 2 run's last.dcp
 (sharded, saved at the epoch's end) by launch/single.py's loop at world size 1 to the end of epoch 2, and a --dp 2
 --tp 2 run's last.dcp saved mid-epoch (asynchronously) resumed at --tp 2 on 2 ranks: each ends equal to the
@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from conftest import (assert_same_path_bitwise, PARITY_TOL_64, as_torchrun_rank, assert_within_fp32_floor, final_weights, fp32_noise_floor,
                       load_model_state, make_cfg, max_param_diff, run_ok, torchrun)
 from jobs import run_job
-from manual_train import models, tensor_parallelism
+from manual_train import models
 from manual_train.config import Config, UsageError
 from manual_train.loops import single, tensor_parallel
 
@@ -43,7 +43,7 @@ SCENARIOS4 = {"dp2tp2": dict(F64, checkpoint_format="dcp"), "dp2tp2_sp": dict(F6
 
 
 def _train(out: Path, **flags) -> dict:
-    return tensor_parallel.train(make_cfg(out, tensor_parallelism.TPConfig, **flags))
+    return tensor_parallel.train(make_cfg(out, tensor_parallel.TensorParallelConfig, **flags))
 
 
 def _fixed_head_count(self, x):
@@ -157,7 +157,7 @@ def test_a_fixed_head_count_fails_the_parity_check(job2, baseline):
 def test_an_unsharded_layer_is_the_dtensor_trap(impl, tmp_path, lone_process, monkeypatch):
     """One process, --tp 1: the split layers are DTensors all the same, the others plain without replicate().
     (--optimizer-impl for-loop steps one tensor at a time and runs: the other way out, slower.)"""
-    monkeypatch.setattr(tensor_parallelism, "replicate", lambda raw_model, mesh: None)
+    monkeypatch.setattr("manual_train.tensor_parallel.replicate", lambda raw_model, mesh: None)
     with pytest.raises(RuntimeError, match="got mixed torch.Tensor and DTensor"):
         _train(tmp_path, **dict(PARITY, synthetic_size=32, max_steps=1, optimizer_impl=impl))
 
@@ -217,7 +217,7 @@ def test_compile_blocks_captures_the_dtensor_blocks_and_trains_as_eager(tmp_path
 def test_bad_input_is_one_line(world, flags, expect, monkeypatch, tmp_path):
     as_torchrun_rank(monkeypatch, world_size=world)
     with pytest.raises(UsageError) as e:
-        make_cfg(tmp_path, tensor_parallelism.TPConfig, **{**dict(model="gpt", dataset="reverse"), **flags})
+        make_cfg(tmp_path, tensor_parallel.TensorParallelConfig, **{**dict(model="gpt", dataset="reverse"), **flags})
     assert expect in str(e.value) and "\n" not in str(e.value), str(e.value)
     assert not (tmp_path / "run").exists()
 

@@ -24,7 +24,7 @@ TEXT = dict(model="gpt", dataset="pydoc", block_size=16, text_samples=97, optimi
             log_every=2, precision="64-true", eval_batch_size=16, limit_val_batches=2)  # 32 val samples: the sums
 ACC = dict(batch_size=2, accumulate=2)  # per rank; the global batch is 2 x 2 x N
 LOOPS = {"ddp": (ddp, ddp.DDPConfig), "zero": (zero, zero.ZeroConfig), "pipe": (pipeline, pipeline.PipelineConfig),
-         "tp": (tensor_parallel, tensor_parallel.TPConfig)}
+         "tp": (tensor_parallel, tensor_parallel.TensorParallelConfig)}
 SCENARIOS = {  # name: (loop, flags, [world sizes]); every global batch is 8 at 2 and 4 ranks, 12 at 3
     "ddp": ("ddp", dict(batch_size=4), (2, 3)),
     "ddp_acc": ("ddp", ACC, (2, 3)),

@@ -555,13 +555,13 @@ def _precision_window_s(precision: str, first: int, last: int) -> float:
     """One run's steps first+1..last: 16-o2 in its own loop (loops/apex_o2.py), the others in loops/single.py."""
     from manual_train.config import O2_PRECISIONS, parse_config
     from manual_train.loops import apex_o2
-    from manual_train.precision import O2Config
+    from manual_train.apex_o2 import ApexO2Config
 
     argv = (*PRECISION_ARGS, "--precision", precision, "--max-steps", str(last))
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(tmp) / "run"
         if precision in O2_PRECISIONS:
-            apex_o2.train(parse_config(O2Config, [*argv, "--no-progress", "--out-dir", str(run_dir)]))
+            apex_o2.train(parse_config(ApexO2Config, [*argv, "--no-progress", "--out-dir", str(run_dir)]))
         else:
             train_single(run_dir, *argv)
         return _csv_window_s(run_dir / "metrics.csv", first, last)

@@ -157,7 +157,7 @@ def _o2_step(model, x, y, lr: float):
     import torch
 
     from manual_train.models import loss_fn
-    from manual_train.precision import DynamicLossScaler, O2Forward, cast_o2
+    from manual_train.apex_o2 import DynamicLossScaler, O2Forward, cast_o2
 
     model_params = [p for p in model.parameters() if p.requires_grad]
     master_params = [torch.nn.Parameter(p.detach().clone()) for p in model_params]
@@ -412,13 +412,13 @@ def _loop_syncs_child(short_steps: int, long_steps: int, precision: str, device:
 
     from manual_train.config import O2_PRECISIONS, Config, parse_config
     from manual_train.loops import apex_o2, single
-    from manual_train.precision import O2Config
+    from manual_train.apex_o2 import ApexO2Config
 
     o2 = precision in O2_PRECISIONS
     train = apex_o2.train if o2 else single.train
 
     def config(*argv):
-        return parse_config(O2Config if o2 else Config, list(argv))
+        return parse_config(ApexO2Config if o2 else Config, list(argv))
 
     counts = {}
     args = ("--dataset", "synthetic", "--synthetic-size", "4096", "--synthetic-shape", "3,32,32", "--model", "cnn",

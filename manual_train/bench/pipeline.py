@@ -1,7 +1,7 @@
 """The pipeline's bubble, measured: each stage's idle fraction of a GPipe step vs (p-1)/(m+p-1) (docs/pipeline.md).
 
 bubble_rows() starts one process per stage (gloo, this machine), runs the explicit GPipe schedule of
-manual_train/pipelining.py on the reverse task's GPT for each micro-batch count m, and times what each stage spends
+manual_train/pipeline.py on the reverse task's GPT for each micro-batch count m, and times what each stage spends
 waiting in recv (for the previous stage's activations in the fill, the next stage's gradients in the drain) and at
 the barrier that ends each step (a later stage's drain ends before stage 0's): that is its idle time. The formula
 assumes every stage takes the same time per micro-batch and communication is free; on a loaded 2-core machine the
@@ -24,9 +24,9 @@ BATCH = 256
 
 
 def _stage_child(rank: int, stages: int, microbatches: tuple, steps: int, port: int, out) -> None:
-    from manual_train import pipelining, tokens
+    from manual_train import pipeline, tokens
     from manual_train.models import build_model
-    from manual_train.pipelining import Pipeline, PipelineConfig
+    from manual_train.pipeline import Pipeline, PipelineConfig
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=stages)
@@ -34,7 +34,7 @@ def _stage_child(rank: int, stages: int, microbatches: tuple, steps: int, port: 
     train, _, info = tokens.reverse_lm_datasets(BATCH)
     x, y = train.x, train.y
     idle = [0.0]
-    real_recv = pipelining.recv
+    real_recv = pipeline.recv
 
     def timed_recv(*args):  # the time this stage waits for a neighbour: its idle time
         t = time.perf_counter()
@@ -42,7 +42,7 @@ def _stage_child(rank: int, stages: int, microbatches: tuple, steps: int, port: 
         idle[0] += time.perf_counter() - t
         return buf
 
-    pipelining.recv = timed_recv
+    pipeline.recv = timed_recv
     rows = []
     for m in microbatches:
         torch.manual_seed(0)

@@ -72,7 +72,7 @@ class CountComm(TorchDispatchMode):
 def _child(rank: int, shapes: tuple, port: int, batch: int, out) -> None:
     from manual_train import tokens
     from manual_train.models import GPT_LAYERS, build_model, loss_fn
-    from manual_train.tensor_parallelism import TPConfig, parallelize
+    from manual_train.tensor_parallel import TensorParallelConfig, parallelize
 
     dp, tp, sp = shapes
     world = dp * tp
@@ -84,7 +84,7 @@ def _child(rank: int, shapes: tuple, port: int, batch: int, out) -> None:
     torch.manual_seed(0)
     model = build_model("gpt", info)
     sizes = full_sizes(model)
-    cfg = TPConfig(model="gpt", dataset="reverse", optimizer="adamw", dp=dp, tp=tp, sequence_parallel=sp)
+    cfg = TensorParallelConfig(model="gpt", dataset="reverse", optimizer="adamw", dp=dp, tp=tp, sequence_parallel=sp)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sharded = parallelize(model, optimizer, cfg, torch.device("cpu"))
     with CountComm() as comm:

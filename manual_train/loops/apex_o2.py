@@ -1,4 +1,4 @@
-# >>> O2: the docstring shows this lesson's commands
+# >>> APEX_O2: the docstring shows this lesson's commands
 """apex's O2 written out: an fp16 model, fp32 master weights, a dynamic loss scale (the first article's tip 7).
 
     python launch/apex_o2.py                                    # 16-o2: cnn on digits, >= 0.95 val acc (fp16
@@ -7,12 +7,12 @@
                                                                 # rounding (docs/precision.md)
     python launch/apex_o2.py --precision apex-o2 --device cuda  # apex.amp itself (apex <= 25.05, from source)
 
-`diff manual_train/loops/single.py manual_train/loops/apex_o2.py` is the lesson; every changed line is marked O2:
+`diff manual_train/loops/single.py manual_train/loops/apex_o2.py` is the lesson; every changed line is marked APEX_O2:
 fp32 masters cloned first, the model cast to fp16 except BatchNorm, a scaled loss, the fp16 gradients unscaled into
 the masters, a step that an overflow skips, the masters copied back. --precision apex-o2 lets apex.amp do all of
-it. Each step and why: docs/precision.md; the pieces and O2Config are in manual_train/precision.py.
+it. Each step and why: docs/apex_o2.md; the pieces and ApexO2Config are in manual_train/apex_o2.py.
 """
-# <<< O2
+# <<< APEX_O2
 from __future__ import annotations
 
 import math
@@ -24,18 +24,19 @@ from manual_train.config import Config
 from manual_train.evaluation import evaluate
 from manual_train.models import build_model_from, log_sums, loss_fn
 from manual_train.optim import build_optimizer, build_scheduler, scaled_lr
-# >>> O2: its flags (O2Config) and the small pieces it reuses (manual_train/precision.py)
+# >>> APEX_O2: its flags (ApexO2Config) and the small pieces it reuses (manual_train/apex_o2.py)
 from manual_train.plugins import build_loss
-from manual_train.precision import (ApexScaler, DynamicLossScaler, O2Config, O2Forward, O2Masters, apex_amp_or_error,
-                                    autocast_for, cast_o2, param_dtype)
-# <<< O2
+from manual_train.apex_o2 import (ApexO2Config, ApexScaler, DynamicLossScaler, O2Forward, O2Masters, apex_amp_or_error,
+                                  cast_o2)
+from manual_train.precision import autocast_for, param_dtype
+# <<< APEX_O2
 from manual_train.run import Run
 from manual_train.runtime import resolve_device, seed_everything, set_deterministic
 
-SCRIPT = "apex_o2"  # O2
+SCRIPT = "apex_o2"  # APEX_O2
 
 
-def train(cfg: O2Config) -> dict:  # O2
+def train(cfg: ApexO2Config) -> dict:  # APEX_O2
     # ------------------------------------------------------------------ setup
     device = resolve_device(cfg.device)
     seed_everything(cfg.seed)
@@ -58,7 +59,7 @@ def train(cfg: O2Config) -> dict:  # O2
 
     torch.manual_seed(cfg.seed)  # right before building: the same --seed gives the same weights in every loop
     raw_model = build_model_from(cfg, info).to(param_dtype(cfg.precision)).to(device)  # moved once
-    # >>> O2: fp32 master copies of the weights, cloned BEFORE the cast; then the model to fp16 except BatchNorm
+    # >>> APEX_O2: fp32 master copies of the weights, cloned BEFORE the cast; then the model to fp16 except BatchNorm
     # (cast_o2), inputs to fp16 and outputs to fp32 (O2Forward); the optimizer steps the masters (docs/precision.md,
     # "The hand-written O2, step by step")
     amp = apex_amp_or_error() if cfg.precision == "apex-o2" else None
@@ -70,16 +71,16 @@ def train(cfg: O2Config) -> dict:  # O2
         master_params = [torch.nn.Parameter(p.detach().clone()) for p in model_params]
         model = O2Forward(cast_o2(raw_model))
         optimizer = build_optimizer(cfg, master_params, lr)
-    # <<< O2
+    # <<< APEX_O2
     scheduler = build_scheduler(cfg, optimizer, total_steps)
-    # >>> O2: no autocast (the model itself is fp16). apex's dynamic loss scale: 2**16 to start, halved after an
+    # >>> APEX_O2: no autocast (the model itself is fp16). apex's dynamic loss scale: 2**16 to start, halved after an
     # overflow, doubled after 2000 clean steps, at most 2**24 (--loss-scale-*). Checkpoints hold the fp32 masters
     # (O2Masters), not their rounded fp16 copy.
     autocast = autocast_for(cfg.precision, device)
     scaler = ApexScaler(amp) if amp else DynamicLossScaler(cfg.loss_scale_init, max_scale=cfg.loss_scale_max,
                                                            growth_interval=cfg.loss_scale_growth_interval)
     checkpointed = raw_model if amp else O2Masters(raw_model, model_params, master_params)
-    # <<< O2
+    # <<< APEX_O2
     criterion = build_loss(cfg, loss_fn)  # the mean cross-entropy, or yours (--loss: docs/your-model.md)
 
     def validate() -> tuple[float, float]:
@@ -88,7 +89,7 @@ def train(cfg: O2Config) -> dict:  # O2
         return (loss_total / count).item(), (correct / count).item()
 
     start_epoch, start_micro_step, step, samples_seen = run.start(
-        model=checkpointed, optimizer=optimizer, scheduler=scheduler, scaler=scaler)  # O2: --resume loads into these
+        model=checkpointed, optimizer=optimizer, scheduler=scheduler, scaler=scaler)  # APEX_O2: --resume loads these
 
     # ------------------------------------------------------------------ training loop
     # Logging keeps each micro-step's detached loss and predictions on the device until the log row sums them:
@@ -109,7 +110,7 @@ def train(cfg: O2Config) -> dict:  # O2
             window_start = micro_step % cfg.accumulate == 0
             window_end = (micro_step + 1) % cfg.accumulate == 0 or micro_step + 1 == micro_steps_per_epoch
             if window_start:
-                optimizer.zero_grad()  # O2: apex's patched zero_grad() takes no arguments; set_to_none is the default
+                optimizer.zero_grad()  # APEX_O2: apex's patched zero_grad() takes no set_to_none (its default)
             # Accumulation: weight each micro-batch's mean loss by its share of the window's targets (labels, or
             # tokens of text), so the window's gradient is the mean over all its targets, as one big batch (also for
             # the epoch's last, partial window, where dividing by K would shrink it; Lightning issue 19987).
@@ -119,13 +120,14 @@ def train(cfg: O2Config) -> dict:  # O2
             with autocast():  # forward and loss only: backward runs in the dtypes forward chose
                 logits = model(x)
                 loss = criterion(logits, y) * weight  # the micro-batch's share of the window's mean
-            # >>> O2: the scaled loss's backward: fp16 gradients on the fp16 model, accumulating scaled over the window
+            # >>> APEX_O2: the scaled loss's backward: fp16 gradients on the fp16 model, accumulating scaled over the
+            # window
             if amp:  # apex-o2: apex's context scales; at the window's end it unscales into its masters, checks for inf
                 with amp.scale_loss(loss, optimizer, delay_unscale=not window_end) as scaled_loss:
                     scaled_loss.backward()
             else:
                 (loss * scaler.scale).backward()
-            # <<< O2
+            # <<< APEX_O2
 
             # Logging without retained graphs: detach() drops autograd history, so nothing of this
             # step's graph outlives the step (keeping `loss` itself would keep the step's graph).
@@ -136,7 +138,7 @@ def train(cfg: O2Config) -> dict:  # O2
             samples_seen += x.shape[0]
 
             if window_end:
-                # >>> O2: unscale into the masters: fp16 to fp32 THEN divided by the scale (in fp16 the division
+                # >>> APEX_O2: unscale into the masters: fp16 to fp32 THEN divided by the scale (in fp16 the division
                 # could underflow); the model's gradients dropped. One host sync: any inf/NaN skips the step, as apex.
                 # (apex-o2: both lists are empty; apex did all of this when its scale_loss context closed.)
                 for p, master in zip(model_params, master_params):
@@ -144,18 +146,18 @@ def train(cfg: O2Config) -> dict:  # O2
                     p.grad = None
                 grads = [m.grad for m in master_params if m.grad is not None]
                 found_inf = bool(grads) and not torch.stack([g.isfinite().all() for g in grads]).all().item()
-                # <<< O2
+                # <<< APEX_O2
                 if cfg.grad_clip:
-                    # >>> O2: clip the fp32 masters' true (unscaled) gradients
+                    # >>> APEX_O2: clip the fp32 masters' true (unscaled) gradients
                     torch.nn.utils.clip_grad_norm_(amp.master_params(optimizer) if amp else master_params,
                                                    cfg.grad_clip)
-                    # <<< O2
+                    # <<< APEX_O2
                 if cfg.grad_clip_value:  # every element into [-v, v]: the direction changes (norm clipping keeps it)
-                    # >>> O2: the fp32 masters' gradients, as above
+                    # >>> APEX_O2: the fp32 masters' gradients, as above
                     torch.nn.utils.clip_grad_value_(amp.master_params(optimizer) if amp else master_params,
                                                     cfg.grad_clip_value)
-                    # <<< O2
-                # >>> O2: step the fp32 masters and copy them into the fp16 model (copy_ rounds), unless a gradient
+                    # <<< APEX_O2
+                # >>> APEX_O2: step the fp32 masters and copy them into the fp16 model (copy_ rounds), unless a gradient
                 # overflowed; then the scale: halved after an overflow, doubled after growth_interval clean steps
                 if not found_inf:
                     optimizer.step()  # apex-o2: apex's patched step() skips itself after an overflow, copies back
@@ -163,7 +165,7 @@ def train(cfg: O2Config) -> dict:  # O2
                         for p, master in zip(model_params, master_params):
                             p.copy_(master)
                 scaler.update(found_inf)
-                # <<< O2
+                # <<< APEX_O2
                 if run.stepped(scaler, losses):  # a skipped step does not advance the schedule (Lightning's does)
                     scheduler.step()
                 step += 1

@@ -1,48 +1,48 @@
-# >>> DP: the docstring shows this script's commands and what its diff teaches
-"""Data parallelism in one process: nn.DataParallel, and what it does written out (tag DP).
+# >>> DATA_PARALLEL: the docstring shows this script's commands and what its diff teaches
+"""Data parallelism in one process: nn.DataParallel, and what it does written out (tag DATA_PARALLEL).
 
-    python launch/dp.py                                      # nn.DataParallel over every GPU (CPU: see below)
-    python launch/dp.py --impl explicit --devices cpu,cpu    # replicate/scatter/parallel_apply/gather on the CPU
-    python launch/dp.py --impl explicit --devices cpu,cpu,cpu --batch-size 14   # uneven chunks: 5 + 5 + 4
-    python launch/dp.py --devices cuda:0,cuda:1 --output-device cuda:1
-    python launch/dp.py --resume runs/dp-<time>/last.pt   # the run's own flags: continues where it stopped
+    python launch/data_parallel.py                                    # nn.DataParallel over every GPU (CPU: see below)
+    python launch/data_parallel.py --impl explicit --devices cpu,cpu  # replicate/scatter/parallel_apply/gather on CPU
+    python launch/data_parallel.py --impl explicit --devices cpu,cpu,cpu --batch-size 14   # uneven chunks: 5 + 5 + 4
+    python launch/data_parallel.py --devices cuda:0,cuda:1 --output-device cuda:1
+    python launch/data_parallel.py --resume runs/data_parallel-<time>/last.pt   # continues where it stopped
 
 `diff manual_train/loops/single.py manual_train/loops/data_parallel.py` is the lesson; every changed line is
-marked DP. One process drives every device: the batch is split, not multiplied (global batch = batch x
-accumulate). What each change does, and why DDP replaced this: docs/data_parallel.md. --devices, --impl and
---output-device are DPConfig's (manual_train/parallel.py).
+marked DATA_PARALLEL. One process drives every device: the batch is split, not multiplied (global batch =
+batch x accumulate). What each change does, and why DDP replaced this: docs/data_parallel.md. --devices, --impl and
+--output-device are DataParallelConfig's (manual_train/data_parallel.py).
 """
-# <<< DP
+# <<< DATA_PARALLEL
 from __future__ import annotations
 
 import math
 
 import torch
-import torch.nn as nn  # DP: nn.DataParallel
+import torch.nn as nn  # DATA_PARALLEL: nn.DataParallel
 
 from manual_train import data
 from manual_train.config import Config
 from manual_train.evaluation import evaluate
 from manual_train.models import build_model_from, log_sums, loss_fn
 from manual_train.optim import build_optimizer, build_scheduler, scaled_lr
-from manual_train.parallel import DPConfig, ExplicitDataParallel, dp_plan, peak_mem_per_device  # DP
+from manual_train.data_parallel import DataParallelConfig, ExplicitDataParallel, dp_plan  # DATA_PARALLEL
 from manual_train.plugins import build_loss
 from manual_train.precision import CastInputs, autocast_for, param_dtype
 from manual_train.run import Run
-from manual_train.runtime import seed_everything, set_deterministic  # DP: --devices, not resolve_device
+from manual_train.runtime import peak_mem_per_device, seed_everything, set_deterministic  # DATA_PARALLEL
 
-SCRIPT = "dp"  # DP
-__all__ = ["DPConfig", "train"]  # DP: launch/dp.py takes DPConfig from here
+SCRIPT = "data_parallel"  # DATA_PARALLEL
+__all__ = ["DataParallelConfig", "train"]  # DATA_PARALLEL: launch/data_parallel.py takes DataParallelConfig from here
 
 
-def train(cfg: DPConfig) -> dict:  # DP: the baseline's flags plus --devices, --impl, --output-device
+def train(cfg: DataParallelConfig) -> dict:  # DATA_PARALLEL: + --devices, --impl, --output-device
     # ------------------------------------------------------------------ setup
-    # >>> DP: one process drives several devices. The model lives on devices[0] (DataParallel replicates it from
-    # there at every forward); the gathered outputs, the targets, the loss, the running sums and evaluation live
-    # on the output device, which is `device` from here on.
+    # >>> DATA_PARALLEL: one process drives several devices. The model lives on devices[0] (DataParallel replicates it
+    # from there at every forward); the gathered outputs, the targets, the loss, the running sums and evaluation live on
+    # the output device, which is `device` from here on.
     devices = cfg.device_list()
     device = cfg.gather_device()
-    # <<< DP
+    # <<< DATA_PARALLEL
     seed_everything(cfg.seed)
     set_deterministic(cfg.deterministic)
     torch.autograd.set_detect_anomaly(cfg.detect_anomaly)  # --detect-anomaly: backward names the op that made a NaN
@@ -62,16 +62,16 @@ def train(cfg: DPConfig) -> dict:  # DP: the baseline's flags plus --devices, --
               micro_steps_per_epoch=micro_steps_per_epoch, datasets=(train_ds, val_ds))  # checks --resume
 
     torch.manual_seed(cfg.seed)  # right before building: the same --seed gives the same weights in every loop
-    raw_model = build_model_from(cfg, info).to(param_dtype(cfg.precision)).to(devices[0])  # DP
+    raw_model = build_model_from(cfg, info).to(param_dtype(cfg.precision)).to(devices[0])  # DATA_PARALLEL
     model = CastInputs(raw_model) if cfg.precision == "64-true" else raw_model  # 64-true: float64 inputs too
-    # >>> DP: decided once; both return the whole batch's logits on `device`. --impl explicit is DataParallel's
-    # forward in its four steps: scatter the batch, replicate the module, parallel_apply, gather the outputs
-    # (docs/data_parallel.md, "What runs where")
+    # >>> DATA_PARALLEL: decided once; both return the whole batch's logits on `device`. --impl explicit is
+    # DataParallel's forward in its four steps: scatter the batch, replicate the module, parallel_apply, gather the
+    # outputs (docs/data_parallel.md, "What runs where")
     if cfg.impl == "torch":
         model = nn.DataParallel(model, device_ids=devices, output_device=device)  # CPU host: the module itself
     else:
         model = ExplicitDataParallel(model, devices, device)
-    # <<< DP
+    # <<< DATA_PARALLEL
     optimizer = build_optimizer(cfg, raw_model.parameters(), lr)
     scheduler = build_scheduler(cfg, optimizer, total_steps)
     # torch.amp: autocast runs forward and loss in float16 (16-mixed) or bfloat16 (bf16-mixed) where that is safe.
@@ -90,7 +90,7 @@ def train(cfg: DPConfig) -> dict:  # DP: the baseline's flags plus --devices, --
 
     start_epoch, start_micro_step, step, samples_seen = run.start(
         model=raw_model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)  # --resume loads into these
-    run.print(dp_plan(cfg.impl, devices, device, cfg.batch_size))  # DP: how each batch is split, and where
+    run.print(dp_plan(cfg.impl, devices, device, cfg.batch_size))  # DATA_PARALLEL: how each batch is split, and where
 
     # ------------------------------------------------------------------ training loop
     # Logging keeps each micro-step's detached loss and predictions on the device until the log row sums them:
@@ -107,7 +107,7 @@ def train(cfg: DPConfig) -> dict:  # DP: the baseline's flags plus --devices, --
         model.train()
         for micro_step, (x, y) in enumerate(run.timed(train_loader), start=first):
             # non_blocking=True: from pinned memory the copy is asynchronous and overlaps compute.
-            y = y.to(device, non_blocking=True)  # DP: x stays on the host: scatter copies each chunk to its device
+            y = y.to(device, non_blocking=True)  # DATA_PARALLEL: x stays on the host: scatter copies each chunk
             window_start = micro_step % cfg.accumulate == 0
             window_end = (micro_step + 1) % cfg.accumulate == 0 or micro_step + 1 == micro_steps_per_epoch
             if window_start:
@@ -119,10 +119,10 @@ def train(cfg: DPConfig) -> dict:  # DP: the baseline's flags plus --devices, --
             weight = targets / window_targets
 
             with autocast():  # forward and loss only: backward runs in the dtypes forward chose
-                # >>> DP: one loss over the gathered batch: the full batch's mean gradient (per-chunk losses need
-                # weighting: docs/data_parallel.md). Backward returns through the gather and the replicas into
+                # >>> DATA_PARALLEL: one loss over the gathered batch: the full batch's mean gradient (per-chunk losses
+                # need weighting: docs/data_parallel.md). Backward returns through the gather and the replicas into
                 # raw_model's parameters.
-                # <<< DP
+                # <<< DATA_PARALLEL
                 logits = model(x)
                 loss = criterion(logits, y) * weight  # the micro-batch's share of the window's mean
             scaler.scale(loss).backward()  # 16-mixed: the scaled loss; gradients accumulate scaled
@@ -186,9 +186,9 @@ def train(cfg: DPConfig) -> dict:  # DP: the baseline's flags plus --devices, --
     restored = run.restore_best()  # --restore-best: best.pt's weights back into raw_model
     if restored:
         val_loss, val_acc = validate()
-    # >>> DP: summary.json also says how it ran; the per-device peaks show the output device's extra load (on the
-    # CPU: one process, one number)
+    # >>> DATA_PARALLEL: summary.json also says how it ran; the per-device peaks show the output device's extra load (on
+    # the CPU: one process, one number)
     return run.finish(epoch, step, samples_seen, val_loss, val_acc, restored=restored, impl=cfg.impl,
                       devices=[str(d) for d in devices],
                       peak_mem_bytes_per_device=peak_mem_per_device(devices + [device]))
-    # <<< DP
+    # <<< DATA_PARALLEL

@@ -7,10 +7,11 @@
     torchrun --nproc_per_node=4 launch/hybrid.py --mode ddp-mp        # on 8 GPUs: rank r owns cuda:2r, cuda:2r+1
 
 `diff manual_train/loops/single.py manual_train/loops/hybrid.py` is the lesson; every changed line is marked
-HYBRID: the split (hybrid_setup.split_model, by --mode) and loops/ddp.py's recipe around it. N ranks with
+HYBRID: the split (hybrid.split_model, by --mode) and loops/ddp.py's recipe around it. N ranks with
 --batch-size b train the weights of one process with N*b, on any set size. What each change does: docs/hybrid.md.
-HybridConfig (manual_train/hybrid_setup.py) is a DDPConfig: --backend, --dist-timeout-s, and DDP's knobs under
-ddp-mp (dp-mp refuses them; --sync-bn is refused: seq2seq has no BatchNorm). DEFAULTS: launch/mp.py's task and budget.
+HybridConfig (manual_train/hybrid.py) is a DDPConfig: --backend, --dist-timeout-s, and DDP's knobs under
+ddp-mp (dp-mp refuses them; --sync-bn is refused: seq2seq has no BatchNorm). DEFAULTS: launch/model_parallel.py's
+task and budget.
 """
 # <<< HYBRID
 from __future__ import annotations
@@ -27,7 +28,7 @@ from manual_train.evaluation import evaluate
 from manual_train.models import build_model_from, log_sums, loss_fn
 from manual_train.optim import build_optimizer, build_scheduler, scaled_lr
 # >>> HYBRID: the config, the split and the summary's device keys (device lists replace resolve_device)
-from manual_train.hybrid_setup import DEFAULTS, HybridConfig, describe, split_model, summary_extra
+from manual_train.hybrid import DEFAULTS, HybridConfig, describe, split_model, summary_extra
 from manual_train.plugins import build_loss
 from manual_train.precision import autocast_for, param_dtype
 from manual_train.run import Run

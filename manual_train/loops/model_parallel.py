@@ -1,17 +1,17 @@
-# >>> MP: the docstring shows this script's commands and what its diff teaches
-"""Model parallelism: the seq2seq encoder on one device, the decoder on another (tag MP).
+# >>> MODEL_PARALLEL: the docstring shows this script's commands and what its diff teaches
+"""Model parallelism: the seq2seq encoder on one device, the decoder on another (tag MODEL_PARALLEL).
 
-    python launch/mp.py                                   # reverse digits: >= 0.9 token accuracy on 2 CPU cores
-    python launch/mp.py --devices cuda:0,cuda:1           # encoder on GPU 0, decoder on GPU 1
-    python launch/mp.py --devices cuda:0,cuda:1 --microbatches 4   # GPipe fill-drain over 4 micro-batches
-    python launch/mp.py --resume runs/mp-<time>/last.pt   # the run's own flags: continues where it stopped
+    python launch/model_parallel.py                                   # reverse digits: >= 0.9 token accuracy, 2 cores
+    python launch/model_parallel.py --devices cuda:0,cuda:1           # encoder on GPU 0, decoder on GPU 1
+    python launch/model_parallel.py --devices cuda:0,cuda:1 --microbatches 4   # GPipe fill-drain over 4 micro-batches
+    python launch/model_parallel.py --resume runs/model_parallel-<time>/last.pt   # continues where it stopped
 
 `diff manual_train/loops/single.py manual_train/loops/model_parallel.py` is the lesson; every changed line is
-marked MP. What each change does (the devices, the split, GPipe's fill-drain schedule over --microbatches) and
-the modern form: docs/model_parallel.md. --devices and --microbatches are MPConfig's (manual_train/parallel.py);
-DEFAULTS below make the reverse task launch/mp.py's default.
+marked MODEL_PARALLEL. What each change does (the devices, the split, GPipe's fill-drain schedule over
+--microbatches) and the modern form: docs/model_parallel.md. --devices and --microbatches are ModelParallelConfig's
+(manual_train/model_parallel.py); DEFAULTS below make the reverse task launch/model_parallel.py's default.
 """
-# <<< MP
+# <<< MODEL_PARALLEL
 from __future__ import annotations
 
 import math
@@ -23,30 +23,28 @@ from manual_train.config import Config
 from manual_train.evaluation import evaluate
 from manual_train.models import build_model_from, log_sums, loss_fn
 from manual_train.optim import build_optimizer, build_scheduler, scaled_lr
-# >>> MP
-from manual_train import parallel  # split_encoder_decoder, the fill-drain schedule, device lists
-from manual_train.parallel import MPConfig
-# <<< MP
+from manual_train.model_parallel import (ModelParallelConfig, bubble_fraction, mp_plan,  # MODEL_PARALLEL
+                                         split_encoder_decoder)  # MODEL_PARALLEL
 from manual_train.plugins import build_loss
-from manual_train.precision import autocast_for, param_dtype  # MP: token ids need no CastInputs
+from manual_train.precision import autocast_for, param_dtype  # MODEL_PARALLEL: token ids need no CastInputs
 from manual_train.run import Run
-from manual_train.runtime import seed_everything, set_deterministic  # MP: --devices, not resolve_device
+from manual_train.runtime import peak_mem_per_device, seed_everything, set_deterministic  # MODEL_PARALLEL
 
-SCRIPT = "mp"  # MP
-# >>> MP: launch/mp.py's defaults: the reverse task with a budget that reaches >= 0.9 token accuracy on CPU (more
-# samples rather than more epochs: with 2048 samples the GRU overfits near 0.85)
+SCRIPT = "model_parallel"  # MODEL_PARALLEL
+# >>> MODEL_PARALLEL: launch/model_parallel.py's defaults: the reverse task with a budget that reaches >= 0.9 token
+# accuracy on CPU (more samples rather than more epochs: with 2048 samples the GRU overfits near 0.85)
 DEFAULTS = dict(dataset="reverse", model="seq2seq", optimizer="adamw", lr=3e-3, epochs=2, synthetic_size=16384)
-__all__ = ["DEFAULTS", "MPConfig", "train"]
-# <<< MP
+__all__ = ["DEFAULTS", "ModelParallelConfig", "train"]
+# <<< MODEL_PARALLEL
 
 
-def train(cfg: MPConfig) -> dict:  # MP: the baseline's flags plus --devices, --microbatches
+def train(cfg: ModelParallelConfig) -> dict:  # MODEL_PARALLEL: the baseline's flags plus --devices, --microbatches
     # ------------------------------------------------------------------ setup
-    # >>> MP: the encoder's device A and the decoder's device B; the logits, the targets, the loss, the running sums
-    # and evaluation live on B, which is `device` from here on.
+    # >>> MODEL_PARALLEL: the encoder's device A and the decoder's device B; the logits, the targets, the loss, the
+    # running sums and evaluation live on B, which is `device` from here on.
     devices = cfg.device_list()
     device = devices[1]
-    # <<< MP
+    # <<< MODEL_PARALLEL
     seed_everything(cfg.seed)
     set_deterministic(cfg.deterministic)
     torch.autograd.set_detect_anomaly(cfg.detect_anomaly)  # --detect-anomaly: backward names the op that made a NaN
@@ -66,12 +64,12 @@ def train(cfg: MPConfig) -> dict:  # MP: the baseline's flags plus --devices, --
               micro_steps_per_epoch=micro_steps_per_epoch, datasets=(train_ds, val_ds))  # checks --resume
 
     torch.manual_seed(cfg.seed)  # right before building: the same --seed gives the same weights in every loop
-    raw_model = build_model_from(cfg, info).to(param_dtype(cfg.precision))  # MP: not moved whole: split below
-    # >>> MP: moved once: the encoder to A, the decoder to B. `model` holds raw_model's own submodules (no copy), so
-    # the optimizer, clipping and checkpoints see raw_model's parameters, wherever they live; its forward sends the
-    # source row to A, the decoder-input row to B, and the encoder's hidden state from A to B with .to(B).
-    model = parallel.split_encoder_decoder(raw_model, devices, cfg.microbatches)
-    # <<< MP
+    raw_model = build_model_from(cfg, info).to(param_dtype(cfg.precision))  # MODEL_PARALLEL: split below
+    # >>> MODEL_PARALLEL: moved once: the encoder to A, the decoder to B. `model` holds raw_model's own submodules (no
+    # copy), so the optimizer, clipping and checkpoints see raw_model's parameters, wherever they live; its forward
+    # sends the source row to A, the decoder-input row to B, and the encoder's hidden state from A to B with .to(B).
+    model = split_encoder_decoder(raw_model, devices, cfg.microbatches)
+    # <<< MODEL_PARALLEL
     optimizer = build_optimizer(cfg, raw_model.parameters(), lr)
     scheduler = build_scheduler(cfg, optimizer, total_steps)
     # torch.amp: autocast runs forward and loss in float16 (16-mixed) or bfloat16 (bf16-mixed) where that is safe.
@@ -90,7 +88,7 @@ def train(cfg: MPConfig) -> dict:  # MP: the baseline's flags plus --devices, --
 
     start_epoch, start_micro_step, step, samples_seen = run.start(
         model=raw_model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)  # --resume loads into these
-    run.print(parallel.mp_plan(devices, cfg.microbatches, cfg.batch_size))  # MP: where each half runs, the bubble
+    run.print(mp_plan(devices, cfg.microbatches, cfg.batch_size))  # MODEL_PARALLEL: where each half runs, the bubble
 
     # ------------------------------------------------------------------ training loop
     # Logging keeps each micro-step's detached loss and predictions on the device until the log row sums them:
@@ -107,7 +105,7 @@ def train(cfg: MPConfig) -> dict:  # MP: the baseline's flags plus --devices, --
         model.train()
         for micro_step, (x, y) in enumerate(run.timed(train_loader), start=first):
             # non_blocking=True: from pinned memory the copy is asynchronous and overlaps compute.
-            y = y.to(device, non_blocking=True)  # MP: x stays on the host: the split sends each row where it is used
+            y = y.to(device, non_blocking=True)  # MODEL_PARALLEL: x stays on the host: the split moves it
             window_start = micro_step % cfg.accumulate == 0
             window_end = (micro_step + 1) % cfg.accumulate == 0 or micro_step + 1 == micro_steps_per_epoch
             if window_start:
@@ -119,10 +117,10 @@ def train(cfg: MPConfig) -> dict:  # MP: the baseline's flags plus --devices, --
             weight = targets / window_targets
 
             with autocast():  # forward and loss only: backward runs in the dtypes forward chose
-                # >>> MP: the logits of every micro-batch, concatenated on B, and one loss over them: the full batch's
-                # gradient (a mean of the micro-batches' mean losses is not, when they differ in size). Backward
-                # runs B's half first, then sends dL/dh back to A through the recorded .to(B).
-                # <<< MP
+                # >>> MODEL_PARALLEL: the logits of every micro-batch, concatenated on B, and one loss over them: the
+                # full batch's gradient (a mean of the micro-batches' mean losses is not, when they differ in size).
+                # Backward runs B's half first, then sends dL/dh back to A through the recorded .to(B).
+                # <<< MODEL_PARALLEL
                 logits = model(x)
                 loss = criterion(logits, y) * weight  # the micro-batch's share of the window's mean
             scaler.scale(loss).backward()  # 16-mixed: the scaled loss; gradients accumulate scaled
@@ -186,9 +184,10 @@ def train(cfg: MPConfig) -> dict:  # MP: the baseline's flags plus --devices, --
     restored = run.restore_best()  # --restore-best: best.pt's weights back into raw_model
     if restored:
         val_loss, val_acc = validate()
-    # >>> MP: summary.json also says how it ran; each device holds its half's weights, gradients and optimizer state
+    # >>> MODEL_PARALLEL: summary.json also says how it ran; each device holds its half's weights, gradients and
+    # optimizer state
     return run.finish(epoch, step, samples_seen, val_loss, val_acc, restored=restored,
                       devices=[str(d) for d in devices], microbatches=cfg.microbatches,
-                      bubble_fraction=parallel.bubble_fraction(2, cfg.microbatches),
-                      peak_mem_bytes_per_device=parallel.peak_mem_per_device(devices))
-    # <<< MP
+                      bubble_fraction=bubble_fraction(2, cfg.microbatches),
+                      peak_mem_bytes_per_device=peak_mem_per_device(devices))
+    # <<< MODEL_PARALLEL

@@ -1,4 +1,4 @@
-# >>> PIPE: the docstring shows torchrun's commands
+# >>> PIPELINE: the docstring shows torchrun's commands
 """Pipeline parallelism under torchrun: the GPT's blocks split into consecutive stages, one per rank, each batch cut
 into micro-batches that flow through them (docs/pipeline.md).
 
@@ -9,11 +9,11 @@ into micro-batches that flow through them (docs/pipeline.md).
     torchrun --nproc_per_node=2 launch/pipeline.py --impl torch --pipeline-schedule interleaved-1f1b  # 2 per rank
     python launch/pipeline.py                                         # one stage: the baseline in micro-batches
 
-`diff manual_train/loops/single.py manual_train/loops/pipeline.py` is the lesson; every changed line is marked PIPE.
+`diff manual_train/loops/single.py manual_train/loops/pipeline.py` is the lesson; every changed line is marked PIPELINE.
 What each change does (setup, the cut model, the step, the tied gradients, logging): docs/pipeline.md. The
-schedules, the split and the checks are manual_train/pipelining.py's. DEFAULTS: the GPT on the reverse task.
+schedules, the split and the checks are manual_train/pipeline.py's. DEFAULTS: the GPT on the reverse task.
 """
-# <<< PIPE
+# <<< PIPELINE
 from __future__ import annotations
 
 import math
@@ -22,32 +22,32 @@ import torch
 
 from manual_train import data
 from manual_train.config import Config
-from manual_train.distributed import DistEnv, all_sum, process_group  # PIPE
+from manual_train.distributed import DistEnv, all_sum, process_group  # PIPELINE
 from manual_train.evaluation import evaluate
 from manual_train.models import build_model_from, log_sums, loss_fn
 from manual_train.optim import build_optimizer, build_scheduler, scaled_lr
-from manual_train.pipelining import Pipeline, PipelineConfig  # PIPE
+from manual_train.pipeline import Pipeline, PipelineConfig  # PIPELINE
 from manual_train.plugins import build_loss
 from manual_train.precision import CastInputs, autocast_for, param_dtype
 from manual_train.run import Run
-from manual_train.runtime import seed_everything, set_deterministic  # PIPE: process_group picks the device
+from manual_train.runtime import seed_everything, set_deterministic  # PIPELINE: process_group picks the device
 
-SCRIPT = "pipeline"  # PIPE
-# >>> PIPE: the model the pipeline splits, on its task (docs/gpt.md): 0.999 val acc after 4 epochs, as the baseline
+SCRIPT = "pipeline"  # PIPELINE
+# >>> PIPELINE: the model the pipeline splits, on its task (docs/gpt.md): 0.999 val acc after 4 epochs, as the baseline
 DEFAULTS = dict(model="gpt", dataset="reverse", optimizer="adamw", lr=3e-3, epochs=4)
 __all__ = ["DEFAULTS", "PipelineConfig", "train"]
-# <<< PIPE
+# <<< PIPELINE
 
 
-def train(cfg: PipelineConfig) -> dict:  # PIPE: the pipeline's flags (pipelining.PipelineConfig)
+def train(cfg: PipelineConfig) -> dict:  # PIPELINE: the pipeline's flags (pipeline.PipelineConfig)
     # ------------------------------------------------------------------ setup
-    # >>> PIPE: the process group as in loops/ddp.py (a group of one under plain python), left on every exit path
+    # >>> PIPELINE: the process group as in loops/ddp.py (a group of one under plain python), left on every exit path
     with process_group(cfg) as (env, device):
         return train_rank(cfg, env, device)
 
 
 def train_rank(cfg: PipelineConfig, env: DistEnv, device: torch.device) -> dict:
-    # <<< PIPE
+    # <<< PIPELINE
     seed_everything(cfg.seed)
     set_deterministic(cfg.deterministic)
     torch.autograd.set_detect_anomaly(cfg.detect_anomaly)  # --detect-anomaly: backward names the op that made a NaN
@@ -64,15 +64,15 @@ def train_rank(cfg: PipelineConfig, env: DistEnv, device: torch.device) -> dict:
     num_epochs = math.ceil(total_steps / steps_per_epoch)
     lr = scaled_lr(cfg, global_batch_size)
     run = Run(cfg, SCRIPT, device=device, lr=lr, global_batch_size=global_batch_size, total_steps=total_steps,
-              micro_steps_per_epoch=micro_steps_per_epoch, datasets=(train_ds, val_ds), env=env,  # PIPE
-              replicas=1)  # PIPE: rank 0 writes; the stages share every batch: one data-parallel replica
+              micro_steps_per_epoch=micro_steps_per_epoch, datasets=(train_ds, val_ds), env=env,  # PIPELINE
+              replicas=1)  # PIPELINE: rank 0 writes; the stages share every batch: one data-parallel replica
 
     torch.manual_seed(cfg.seed)  # right before building: the same --seed gives the same weights in every loop
     raw_model = build_model_from(cfg, info).to(param_dtype(cfg.precision)).to(device)  # moved once
-    # >>> PIPE: every rank built the whole model from the seed (the baseline's weights) and keeps its stage of it;
+    # >>> PIPELINE: every rank built the whole model from the seed (the baseline's weights) and keeps its stage of it;
     # the other layers are freed. Its state_dict() gathers every stage's: a checkpoint is the full GPT's.
     raw_model = Pipeline(raw_model, cfg, env, device)
-    # <<< PIPE
+    # <<< PIPELINE
     model = CastInputs(raw_model) if cfg.precision == "64-true" else raw_model  # 64-true: float64 inputs too
     optimizer = build_optimizer(cfg, raw_model.parameters(), lr)
     scheduler = build_scheduler(cfg, optimizer, total_steps)
@@ -90,9 +90,9 @@ def train_rank(cfg: PipelineConfig, env: DistEnv, device: torch.device) -> dict:
         loss_total, correct, count = evaluate(model, val_loader, device, autocast, cfg.eval_mode, criterion)
         return (loss_total / count).item(), (correct / count).item()
 
-    start_epoch, start_micro_step, step, samples_seen = run.start(  # PIPE: wrap_optimizer gathers every stage's
-        model=raw_model, optimizer=raw_model.wrap_optimizer(optimizer), scheduler=scheduler, scaler=scaler)  # PIPE
-    run.print(f"pipeline: {raw_model}")  # PIPE
+    start_epoch, start_micro_step, step, samples_seen = run.start(  # PIPELINE: wrap_optimizer gathers every stage's
+        model=raw_model, optimizer=raw_model.wrap_optimizer(optimizer), scheduler=scheduler, scaler=scaler)  # PIPELINE
+    run.print(f"pipeline: {raw_model}")  # PIPELINE
 
     # ------------------------------------------------------------------ training loop
     # Logging keeps each micro-step's detached loss and predictions on the device until the log row sums them:
@@ -120,24 +120,25 @@ def train_rank(cfg: PipelineConfig, env: DistEnv, device: torch.device) -> dict:
             targets, window_targets = windows.count(micro_step)  # from the sampled indices (data.Windows)
             weight = targets / window_targets
 
-            # >>> PIPE: forward and backward of every micro-batch through the stages (the schedule); the gradients
-            # add up to (loss * weight)'s, as the baseline's backward. loss, predicted: the last stage's (0, -1s on others).
+            # >>> PIPELINE: forward and backward of every micro-batch through the stages (the schedule); the gradients
+            # add up to (loss * weight)'s, as the baseline's backward. loss, predicted: the last stage's (0, -1s on
+            # others).
             loss, predicted = raw_model.step(x, y, weight, targets, autocast)
-            # <<< PIPE
+            # <<< PIPELINE
 
             # Logging without retained graphs: detach() drops autograd history, so nothing of this
             # step's graph outlives the step (keeping `loss` itself would keep the step's graph).
             losses.append(loss.detach())
             if cfg.train_acc:  # --no-train-acc: none (Lightning logs no train accuracy unless asked)
-                predictions.append(predicted), labels.append(y)  # PIPE: the last stage's predictions
+                predictions.append(predicted), labels.append(y)  # PIPELINE: the last stage's predictions
             log_targets += targets
             samples_seen += x.shape[0]
 
             if window_end:
-                raw_model.reduce_tied_grads()  # PIPE: the embedding's and the head's gradients, summed (tied)
+                raw_model.reduce_tied_grads()  # PIPELINE: the embedding's and the head's gradients, summed (tied)
                 scaler.unscale_(optimizer)  # true gradients before clipping (a no-op when the scaler is off)
                 if cfg.grad_clip:
-                    raw_model.clip_grad_norm_(cfg.grad_clip)  # PIPE: the norm over every stage's gradients
+                    raw_model.clip_grad_norm_(cfg.grad_clip)  # PIPELINE: the norm over every stage's gradients
                 if cfg.grad_clip_value:  # every element into [-v, v]: the direction changes (norm clipping keeps it)
                     torch.nn.utils.clip_grad_value_(raw_model.parameters(), cfg.grad_clip_value)
                 scaler.step(optimizer)  # 16-mixed: skipped when the gradients hold inf/NaN
@@ -149,13 +150,13 @@ def train_rank(cfg: PipelineConfig, env: DistEnv, device: torch.device) -> dict:
                 run.profile(step)  # --profile: torch.profiler's schedule moves one optimizer step on
                 if step % cfg.log_every == 0 or micro_step + 1 == micro_steps_per_epoch or step == total_steps:
                     loss_sum, correct = log_sums(losses, predictions, labels, device)  # 3 tensor ops per row
-                    # >>> PIPE: the last stage's sums, on every rank (the others add zeros): all log the same numbers
-                    # and stop together on a NaN. One small all-reduce per log row.
+                    # >>> PIPELINE: the last stage's sums, on every rank (the others add zeros): all log the same
+                    # numbers and stop together on a NaN. One small all-reduce per log row.
                     loss_total, correct_total = all_sum(loss_sum, correct, device=device)
                     # .item() is a host sync: it waits for every queued kernel. Here once per log row.
                     train_loss = (loss_total / log_steps).item()
                     train_acc = correct_total.item() / log_targets
-                    # <<< PIPE
+                    # <<< PIPELINE
                     run.log_train(step, epoch, train_loss, train_acc, scheduler.get_last_lr()[0], samples_seen,
                                   log_steps)  # metrics.csv; a NaN loss stops the run here
                     losses, predictions, labels = [], [], []

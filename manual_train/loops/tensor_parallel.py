@@ -1,4 +1,4 @@
-# >>> TP: the docstring: what is split, the commands, and what differs from the ZeRO loop
+# >>> TENSOR_PARALLEL: the docstring: what is split, the commands, and what differs from the ZeRO loop
 """Tensor parallelism under torchrun: every attention and MLP of the GPT split over --tp ranks (Megatron-LM's
 column/row split, torch.distributed.tensor.parallel), and 2-D: FSDP2 over --dp replicas of that.
 
@@ -10,10 +10,10 @@ column/row split, torch.distributed.tensor.parallel), and 2-D: FSDP2 over --dp r
 
 `diff manual_train/loops/zero.py manual_train/loops/tensor_parallel.py` is the lesson; every changed line is marked
 TP. Its parent is the ZeRO loop because 2-D is ZeRO's FSDP2 with TP inside each replica: the data-parallel numbers
-count replicas (dp_coords), not ranks, and parallelize() (manual_train/tensor_parallelism.py) replaces shard() with
+count replicas (dp_coords), not ranks, and parallelize() (manual_train/tensor_parallel.py) replaces shard() with
 zero's interface. What each change does, checkpoints and the bytes per rank: docs/tensor_parallel.md.
 """
-# <<< TP
+# <<< TENSOR_PARALLEL
 from __future__ import annotations
 
 import math
@@ -32,17 +32,18 @@ from manual_train.plugins import build_loss
 from manual_train.precision import CastInputs, autocast_for, param_dtype
 from manual_train.run import Run
 from manual_train.runtime import seed_everything, set_deterministic  # DDP: process_group picks the device
-from manual_train.tensor_parallelism import TPConfig, dp_coords, parallelize  # TP: zero.py's flags plus the mesh's
+from manual_train.tensor_parallel import TensorParallelConfig, dp_coords, parallelize  # TENSOR_PARALLEL
 
-SCRIPT = "tensor_parallel"  # TP
-# >>> TP: the GPT on its task, as launch/pipeline.py. --batch-size is per replica: 16 gives --dp 2 the baseline's
-# global batch of 32, and with it the baseline's run (0.999 val acc); --tp 2 alone steps twice as often (1.000)
+SCRIPT = "tensor_parallel"  # TENSOR_PARALLEL
+# >>> TENSOR_PARALLEL: the GPT on its task, as launch/pipeline.py. --batch-size is per replica: 16 gives --dp 2 the
+# baseline's global batch of 32, and with it the baseline's run (0.999 val acc); --tp 2 alone steps twice as often
+# (1.000)
 DEFAULTS = dict(model="gpt", dataset="reverse", optimizer="adamw", lr=3e-3, epochs=4, batch_size=16)
-__all__ = ["TPConfig", "DEFAULTS", "train"]
-# <<< TP
+__all__ = ["TensorParallelConfig", "DEFAULTS", "train"]
+# <<< TENSOR_PARALLEL
 
 
-def train(cfg: TPConfig) -> dict:  # TP
+def train(cfg: TensorParallelConfig) -> dict:  # TENSOR_PARALLEL
     # ------------------------------------------------------------------ setup
     # >>> DDP: who this process is (torchrun's environment) and its device (cuda:LOCAL_RANK, bound before
     # init_process_group), inside the process group, which it leaves on every exit path (distributed.process_group)
@@ -50,7 +51,7 @@ def train(cfg: TPConfig) -> dict:  # TP
         return train_rank(cfg, env, device)
 
 
-def train_rank(cfg: TPConfig, env: DistEnv, device: torch.device) -> dict:  # TP
+def train_rank(cfg: TensorParallelConfig, env: DistEnv, device: torch.device) -> dict:  # TENSOR_PARALLEL
     # <<< DDP
     seed_everything(cfg.seed)
     set_deterministic(cfg.deterministic)
@@ -59,17 +60,18 @@ def train_rank(cfg: TPConfig, env: DistEnv, device: torch.device) -> dict:  # TP
     # >>> DDP: rank r trains on perm[r::N] and evaluates val[r::N]; no padding with repeats (pad=False): a short shard
     # ends in an empty micro-batch. The weights use the whole set's numbers: n_all samples, micro_batch = N x batch
     # samples per micro-step (docs/ddp.md, "The sampler")
-    # >>> TP: N is the number of replicas (dp), r this rank's replica: the tp ranks of a replica share its batches
+    # >>> TENSOR_PARALLEL: N is the number of replicas (dp), r this rank's replica: the tp ranks of a replica share its
+    # batches
     dp, dp_rank = dp_coords(cfg, env)
     sampler = data.train_sampler(train_ds, cfg.seed, dp, dp_rank, pad=False)
     train_loader = data.build_loader(train_ds, cfg, device, batch_size=cfg.batch_size, sampler=sampler)
     val_loader = data.build_loader(data.eval_shard(val_ds, dp, dp_rank), cfg, device, batch_size=cfg.eval_batch_size)
     micro_batch = cfg.batch_size * dp
-    # <<< TP
+    # <<< TENSOR_PARALLEL
     n_all = data.limit_train(len(train_ds), cfg, micro_batch)  # --limit-train-batches: this epoch's samples
     # <<< DDP
     n_train = data.limit_train(len(sampler), cfg)  # --limit-train-batches (--fast-dev-run: 1): the epoch's samples
-    global_batch_size = cfg.batch_size * cfg.accumulate * dp  # TP: what one optimizer step averages: replicas'
+    global_batch_size = cfg.batch_size * cfg.accumulate * dp  # TENSOR_PARALLEL: one step averages all replicas
     micro_steps_per_epoch = data.micro_batches_per_epoch(n_train, cfg.batch_size)
     windows = data.Windows(train_ds, sampler, cfg)  # the targets of each micro-batch and window, every rank's
     steps_per_epoch = data.steps_per_epoch(n_train, cfg.batch_size, cfg.accumulate)
@@ -77,8 +79,8 @@ def train_rank(cfg: TPConfig, env: DistEnv, device: torch.device) -> dict:  # TP
     num_epochs = math.ceil(total_steps / steps_per_epoch)
     lr = scaled_lr(cfg, global_batch_size)
     run = Run(cfg, SCRIPT, device=device, lr=lr, global_batch_size=global_batch_size, total_steps=total_steps,
-              micro_steps_per_epoch=micro_steps_per_epoch, datasets=(train_ds, val_ds), env=env,  # TP
-              replicas=dp)  # TP: rank 0 writes; dp replicas train on shares of every batch
+              micro_steps_per_epoch=micro_steps_per_epoch, datasets=(train_ds, val_ds), env=env,  # TENSOR_PARALLEL
+              replicas=dp)  # TENSOR_PARALLEL: rank 0 writes; dp replicas train on shares of every batch
 
     torch.manual_seed(cfg.seed)  # right before building: the same --seed gives the same weights in every loop
     raw_model = build_model_from(cfg, info).to(param_dtype(cfg.precision)).to(device)  # moved once
@@ -86,10 +88,10 @@ def train_rank(cfg: TPConfig, env: DistEnv, device: torch.device) -> dict:  # TP
     # >>> ZERO: in place of DDP's wrapper: the baseline's optimizer, then shard() wraps the model and rebuilds the
     # optimizer around this rank's shard, as --impl and --stage say (docs/zero.md, "What each stage shards").
     optimizer = build_optimizer(cfg, raw_model.parameters(), lr)
-    sharded = parallelize(sync_batchnorm(model, cfg), optimizer, cfg, device)  # TP: mesh, TP, FSDP2 over dp
+    sharded = parallelize(sync_batchnorm(model, cfg), optimizer, cfg, device)  # TENSOR_PARALLEL: mesh, TP, FSDP2
     model, optimizer = sharded.model, sharded.optimizer
     val_loader = sharded.same_batch_count(val_loader)  # FSDP's forward is a collective: as many batches per rank
-    seed_everything(cfg.seed + dp_rank)  # TP: a replica's tp ranks draw the same masks on replicated activations
+    seed_everything(cfg.seed + dp_rank)  # TENSOR_PARALLEL: a replica's tp ranks draw the same dropout masks
     # <<< ZERO
     scheduler = build_scheduler(cfg, optimizer, total_steps)
     # torch.amp: autocast runs forward and loss in float16 (16-mixed) or bfloat16 (bf16-mixed) where that is safe.
@@ -120,7 +122,7 @@ def train_rank(cfg: TPConfig, env: DistEnv, device: torch.device) -> dict:  # TP
 
     start_epoch, start_micro_step, step, samples_seen = run.start(
         model=sharded.full_model, optimizer=sharded.full_optimizer, scheduler=scheduler, scaler=scaler)  # ZERO
-    run.print(f"tensor parallel: {sharded}")  # TP: the mesh, the styles and the optimizer parallelize() chose
+    run.print(f"tensor parallel: {sharded}")  # TENSOR_PARALLEL: the mesh, styles and optimizer parallelize() chose
 
     # ------------------------------------------------------------------ training loop
     # Logging keeps each micro-step's detached loss and predictions on the device until the log row sums them:
@@ -148,7 +150,7 @@ def train_rank(cfg: TPConfig, env: DistEnv, device: torch.device) -> dict:  # TP
             targets, window_targets = windows.count(micro_step)  # from the sampled indices (data.Windows)
             # >>> DDP: the share of the GLOBAL window (every rank's targets), times N because DDP averages over ranks;
             # an empty micro-batch (weight 0) joins the all-reduce with exact zeros (docs/ddp.md, "The sampler")
-            weight = targets * dp / window_targets  # TP
+            weight = targets * dp / window_targets  # TENSOR_PARALLEL
             # <<< DDP
 
             # >>> DDP: no_sync(): backward only adds into this rank's .grad; the window's last micro-step all-reduces

@@ -1,9 +1,9 @@
-"""Explicit DataParallel (manual_train/loops/data_parallel.py's marked lines, manual_train/parallel.py's replicate,
+"""Explicit DataParallel (manual_train/loops/data_parallel.py's marked lines, manual_train/data_parallel.py's replicate,
 scatter, parallel_apply, gather)."""
 from mutants import Mutant
 
-SHORT = "tests/test_dp.py::test_explicit_dp_equals_baseline_on_a_short_set"  # 64-true, 3 uneven chunks, 88 samples
-DEMO = ("dp", 0, "--impl", "explicit", "--devices", "cpu,cpu,cpu", "--batch-size", "14", "--model", "mlp",
+SHORT = "tests/test_data_parallel.py::test_explicit_dp_equals_baseline_on_a_short_set"  # 64-true, 3 uneven chunks, 88 samples
+DEMO = ("data_parallel", 0, "--impl", "explicit", "--devices", "cpu,cpu,cpu", "--batch-size", "14", "--model", "mlp",
         "--epochs", "2")
 LOSS = "                loss = criterion(logits, y)"
 
@@ -34,7 +34,7 @@ MUTANTS = [
     Mutant(
         name="dataparallel-replica-gradients-not-reduced",
         technique="dataparallel",
-        file="manual_train/parallel.py",
+        file="manual_train/data_parallel.py",
         old="    return [module for _ in devices]\n",
         new="    import copy  # each other device its own copy of the weights\n"
             "    return [module] + [copy.deepcopy(module) for _ in devices[1:]]\n",
@@ -45,7 +45,7 @@ MUTANTS = [
     Mutant(
         name="dataparallel-gather-out-of-order",
         technique="dataparallel",
-        file="manual_train/parallel.py",
+        file="manual_train/data_parallel.py",
         old="    return torch.cat([o.to(output_device) for o in outputs])",
         new="    return torch.cat([o.to(output_device) for o in reversed(outputs)])  # in the order they finished",
         says="The outputs concatenated in the order the devices finished, not the order of the chunks: each chunk's "

@@ -1,5 +1,5 @@
-"""Hybrid data + model parallelism (manual_train/loops/hybrid.py's marked lines, manual_train/hybrid_setup.py,
-manual_train/parallel.py's hybrid_dp_mp), both modes: dp-mp (one process) and ddp-mp (one process per device pair)."""
+"""Hybrid data + model parallelism (manual_train/loops/hybrid.py's marked lines, manual_train/hybrid.py,
+manual_train/hybrid.py's hybrid_dp_mp), both modes: dp-mp (one process) and ddp-mp (one process per device pair)."""
 from mutants import Mutant
 
 # 2 ranks x batch 10 on 61 samples (shards 31/30, rank 1's last micro-batch empty) vs one process x 20: a job of 2 ranks
@@ -15,7 +15,7 @@ MUTANTS = [
     Mutant(
         name="hybrid-articles-decoder-wraps-the-encoder",
         technique="hybrid",
-        file="manual_train/parallel.py",
+        file="manual_train/hybrid.py",
         old="    decoder = data_parallel(DecoderStage(model.decoder), group_b, group_b[0], impl)",
         new="    decoder = data_parallel(EncoderStage(model.encoder), group_b, group_b[0], impl)",
         says="The source article's `self.decoder = DataParallel(self.encoder, ...)`: the encoder wrapped twice, the "
@@ -71,7 +71,7 @@ MUTANTS = [
     Mutant(
         name="hybrid-ranks-share-a-gpu",
         technique="hybrid",
-        file="manual_train/hybrid_setup.py",
+        file="manual_train/hybrid.py",
         old="        return [devices[2 * env.local_rank]], [devices[2 * env.local_rank + 1]]",
         new="        return [devices[env.local_rank]], [devices[env.local_rank + 1]]",
         says="Rank r's device pair taken as entries r and r+1 instead of 2r and 2r+1: rank 0's decoder GPU is rank "

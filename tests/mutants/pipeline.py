@@ -1,4 +1,4 @@
-"""Pipeline parallelism (manual_train/loops/pipeline.py's marked lines, manual_train/pipelining.py: the split, GPipe
+"""Pipeline parallelism (manual_train/loops/pipeline.py's marked lines, manual_train/pipeline.py: the split, GPipe
 written out, torch.distributed.pipelining's schedules, the tied weight and clipping across stages).
 
 The arithmetic mutants are killed by the 64-true parity of tests/test_pipeline.py: two stages on two ranks against
@@ -9,7 +9,7 @@ The demos run launch/pipeline.py under torchrun on 2 ranks, one epoch of the rev
 """
 from mutants import Mutant
 
-LIB = "manual_train/pipelining.py"
+LIB = "manual_train/pipeline.py"
 PARITY = "tests/test_pipeline.py::test_two_stages_train_the_baselines_weights"
 EXPLICIT = dict(kill=(f"{PARITY}[explicit]",), env={"JOB_SCENARIOS": "explicit"})
 DEMO = ("pipeline", 2, "--epochs", "1", "--batch-size", "30", "--grad-clip", "0.5")
@@ -19,7 +19,7 @@ MUTANTS = [
         name="pipeline-tied-grad-not-summed",
         technique="pipeline",
         file="manual_train/loops/pipeline.py",
-        old="                raw_model.reduce_tied_grads()  # PIPE: the embedding's and the head's gradients, summed "
+        old="                raw_model.reduce_tied_grads()  # PIPELINE: the embedding's and the head's gradients, summed "
             "(tied)\n",
         new="",
         says="The tied embedding/head weight's two copies (first and last stage) each step with their own half of the "

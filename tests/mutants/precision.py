@@ -1,4 +1,4 @@
-"""16-bit precision: apex's O2 written out (manual_train/loops/apex_o2.py's marked lines, manual_train/precision.py's
+"""16-bit precision: apex's O2 written out (manual_train/loops/apex_o2.py's marked lines, manual_train/apex_o2.py's
 DynamicLossScaler) and torch.amp's GradScaler as the loops use it (manual_train/loops/single.py)."""
 from mutants import Mutant
 
@@ -75,7 +75,7 @@ MUTANTS = [
     Mutant(
         name="precision-o2-scaler-growth-uncapped",
         technique="precision",
-        file="manual_train/precision.py",
+        file="manual_train/apex_o2.py",
         old="            self.scale = min(self.scale * self.growth_factor, self.max_scale)",
         new="            self.scale *= self.growth_factor",
         says="The dynamic loss scale doubled without apex's cap (2**24): after long clean stretches it grows until "

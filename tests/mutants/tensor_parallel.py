@@ -1,4 +1,4 @@
-"""Tensor parallelism, sequence parallelism and 2-D FSDP2 x TP (manual_train/tensor_parallelism.py, the head count of
+"""Tensor parallelism, sequence parallelism and 2-D FSDP2 x TP (manual_train/tensor_parallel.py, the head count of
 models.CausalSelfAttention that TP relies on, manual_train/loops/tensor_parallel.py's mesh coordinates).
 
 Each is killed by one of tests/test_tensor_parallel.py's parity checks against single.py (the GPT on reverse, 100
@@ -9,7 +9,7 @@ The demos run launch/tensor_parallel.py under torchrun on 2 ranks (4 for 2-D), o
 """
 from mutants import Mutant
 
-LIB = "manual_train/tensor_parallelism.py"
+LIB = "manual_train/tensor_parallel.py"
 TEST = "tests/test_tensor_parallel.py"
 TP2 = dict(kill=(f"{TEST}::test_tp2_trains_the_baselines_weights[tp2]",), env={"JOB_SCENARIOS": "tp2"})
 DEMO = ("tensor_parallel", 2, "--epochs", "1")

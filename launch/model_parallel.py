@@ -9,5 +9,5 @@ from manual_train.cli import run  # noqa: E402
 from manual_train.loops import model_parallel  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(run(model_parallel.train, model_parallel.MPConfig, script="mp", doc=model_parallel.__doc__,
-                 **model_parallel.DEFAULTS))
+    sys.exit(run(model_parallel.train, model_parallel.ModelParallelConfig, script="model_parallel",
+                 doc=model_parallel.__doc__, **model_parallel.DEFAULTS))

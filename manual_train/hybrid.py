@@ -4,26 +4,28 @@
                       --devices and --impl, and their one-line checks; DDP's knobs under ddp-mp only
   device_groups ..... the encoder's devices (group_a) and the decoder's (group_b), from --devices and torchrun
   split_model ....... the mode applied to an unmodified seq2seq model: dp-mp, each half data-parallel over its
-                      group (parallel.hybrid_dp_mp, the source article's form); ddp-mp, the halves on this
-                      rank's device pair (parallel.split_encoder_decoder, as launch/mp.py). The loop wraps either
+                      group (hybrid_dp_mp below, the source article's form); ddp-mp, the halves on this
+                      rank's device pair (split_encoder_decoder, as launch/model_parallel.py). The loop wraps either
                       in DDP, so after set-up it never branches on the mode.
   describe, summary_extra  the console line and summary.json's extra keys: where each half runs
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from manual_train import parallel
 from manual_train.config import arg
+from manual_train.data_parallel import data_parallel
 from manual_train.distributed import DDPConfig, DistEnv, read_env
 from manual_train.errors import UsageError
-from manual_train.runtime import peak_mem_bytes
+from manual_train.model_parallel import DecoderStage, EncoderDecoderSplit, EncoderStage, split_encoder_decoder
+from manual_train.runtime import cuda_list, parse_devices, peak_mem_bytes
 
-# launch/hybrid.py's defaults: launch/mp.py's task and budget (loops/model_parallel.py), so the two scripts
+# launch/hybrid.py's defaults: launch/model_parallel.py's task and budget (loops/model_parallel.py), so the two scripts
 # train the same model on the same data (tests/test_hybrid.py checks they stay equal)
 DEFAULTS = dict(dataset="reverse", model="seq2seq", optimizer="adamw", lr=3e-3, epochs=2, synthetic_size=16384)
 
@@ -48,12 +50,12 @@ class HybridConfig(DDPConfig):
         if self.mode == "dp-mp":
             text = self.devices
             if text == "auto":
-                text = parallel.cuda_list(n - n % 2) if n >= 2 else "cuda:0,cuda:0" if n == 1 else "cpu,cpu,cpu,cpu"
-            names = parallel.parse_devices(text, "--devices", even=True, cuda_repeats=True, role="dp-mp",
-                                           check_machine=False)  # the list first, then each group on this machine
+                text = cuda_list(n - n % 2) if n >= 2 else "cuda:0,cuda:0" if n == 1 else "cpu,cpu,cpu,cpu"
+            names = parse_devices(text, "--devices", even=True, cuda_repeats=True, role="dp-mp",
+                                  check_machine=False)  # the list first, then each group on this machine
             half = len(names) // 2
-            return tuple(parallel.parse_devices(",".join(map(str, group)), "--devices", same_type=True,
-                                                role="each dp-mp group") for group in (names[:half], names[half:]))
+            return tuple(parse_devices(",".join(map(str, group)), "--devices", same_type=True,
+                                       role="each dp-mp group") for group in (names[:half], names[half:]))
         text = self.devices
         if text == "auto":
             if n == 0:
@@ -63,8 +65,8 @@ class HybridConfig(DDPConfig):
                                               f"rank(s) need {2 * env.local_world_size}, this node has {n}",
                                  "cpu,cpu, or fewer --nproc_per_node")
             else:
-                text = parallel.cuda_list(2 * env.local_world_size)
-        devices = parallel.parse_devices(text, "--devices", role="ddp-mp")
+                text = cuda_list(2 * env.local_world_size)
+        devices = parse_devices(text, "--devices", role="ddp-mp")
         if all(d.type == "cpu" for d in devices) and len(devices) == 2:
             return [devices[0]], [devices[1]]  # every rank on the one CPU
         if len(devices) != 2 * env.local_world_size:
@@ -119,8 +121,8 @@ def split_model(cfg: HybridConfig, raw_model: nn.Module, group_a: list, group_b:
     Either way the returned module holds raw_model's own parameters (nothing copied): the optimizer, the
     checkpoint and --restore-best all work on raw_model."""
     if cfg.mode == "dp-mp":
-        return parallel.hybrid_dp_mp(raw_model, group_a, group_b, cfg.impl)
-    return parallel.split_encoder_decoder(raw_model, [group_a[0], group_b[0]])
+        return hybrid_dp_mp(raw_model, group_a, group_b, cfg.impl)
+    return split_encoder_decoder(raw_model, [group_a[0], group_b[0]])
 
 
 def describe(cfg: HybridConfig, group_a: list, group_b: list, env: DistEnv) -> str:
@@ -141,3 +143,18 @@ def summary_extra(cfg: HybridConfig, group_a: list, group_b: list) -> dict:
     return dict(mode=cfg.mode, impl=cfg.impl, encoder_devices=[str(d) for d in group_a],
                 decoder_devices=[str(d) for d in group_b],
                 peak_mem_bytes_per_device={str(d): peak_mem_bytes(d) for d in dict.fromkeys(group_a + group_b)})
+
+
+def hybrid_dp_mp(model: nn.Module, group_a: Sequence[torch.device], group_b: Sequence[torch.device],
+                 impl: str = "torch") -> EncoderDecoderSplit:
+    """The source article's hybrid: the encoder data-parallel over group_a, the decoder over group_b.
+
+    The article writes `self.decoder = DataParallel(self.encoder, ...)`: the encoder wrapped twice,
+    so the decoder's weights would never be used or trained. Here each wrapper holds its own stage
+    (tests/test_hybrid.py::test_dp_mp_wrappers_hold_their_own_stage).
+    """
+    model.encoder.to(group_a[0])  # DataParallel replicates from device_ids[0]
+    model.decoder.to(group_b[0])
+    encoder = data_parallel(EncoderStage(model.encoder), group_a, group_a[0], impl)
+    decoder = data_parallel(DecoderStage(model.decoder), group_b, group_b[0], impl)
+    return EncoderDecoderSplit(encoder, decoder, group_a[0], group_b[0])

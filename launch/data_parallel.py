@@ -9,4 +9,5 @@ from manual_train.cli import run  # noqa: E402
 from manual_train.loops import data_parallel  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(run(data_parallel.train, data_parallel.DPConfig, script="dp", doc=data_parallel.__doc__))
+    sys.exit(run(data_parallel.train, data_parallel.DataParallelConfig, script="data_parallel",
+                 doc=data_parallel.__doc__))

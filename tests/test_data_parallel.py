@@ -1,4 +1,4 @@
-"""Data parallelism in one process (launch/dp.py, manual_train/loops/data_parallel.py, manual_train/parallel.py).
+"""Data parallelism in one process (launch/data_parallel.py, manual_train/loops/data_parallel.py, manual_train/data_parallel.py).
 
 Parity, proven in 64-true (float64; docs/parity.md) within PARITY_TOL_64 = 1e-9 over two epochs of digits: the
 explicit replicate/scatter/parallel_apply/gather over 2 chunks (batch 32: 16 + 16, the last batch 28: 14 + 14; 94
@@ -7,7 +7,7 @@ micro-batch has 2 samples, so 2 chunks over 3 devices, and its last window 16 sa
 baseline's weights; nn.DataParallel on a host without CUDA is the plain module (bitwise). The same proof on a short
 set (mlp, 88 synthetic samples, 3 uneven chunks x accumulate 2; seconds) is what `make mutants` runs against the
 catalogue's dataparallel mutants (tests/mutants/data_parallel.py). The known-wrong variant hits the technique's own
-code: parallel.replicate making copies whose gradients are never reduced into the module on the main device (only the
+code: replicate making copies whose gradients are never reduced into the module on the main device (only the
 first chunk trains); it fails the short check by orders of magnitude. The fp32 pairing (mlp, 3 chunks, the digits
 horizon) is held to a noise floor measured in the same test (conftest.fp32_noise_floor). Measured 2026-12-01 (2-core
 Xeon VM, AVX-512, torch 2.14.1): 64-true 2 chunks 1.1e-16, 3 chunks 1.1e-16; fp32 1.2e-7 against a floor of 2.3e-7.
@@ -26,11 +26,11 @@ import torch.nn as nn
 
 from conftest import (FP32_MODEL, PARITY_TOL_64, assert_cross_path_64, assert_resumes_not_reruns,
                       assert_within_fp32_floor, fp32_noise_floor, max_param_diff, needs_cuda, run_script, train_state)
-from manual_train import parallel
 from manual_train.checkpoint import REQUIRED_KEYS
 from manual_train.cli import run as cli_run
 from manual_train.config import Config
 from manual_train.data import load_digits_split
+from manual_train.data_parallel import ExplicitDataParallel, gather, parallel_apply, replicate, scatter
 from manual_train.loops import data_parallel, single
 from manual_train.metrics import CSV_COLUMNS, SUMMARY_KEYS
 from manual_train.models import SmallCNN, loss_fn
@@ -59,11 +59,11 @@ def baselines(tmp_path_factory):
     return get
 
 
-real_replicate = parallel.replicate
+real_replicate = replicate
 
 
 def replicas_without_the_reduction(module, devices):
-    """The known-wrong variant of parallel.replicate (the technique's own step, which ExplicitDataParallel calls at
+    """The known-wrong variant of replicate (the technique's own step, which ExplicitDataParallel calls at
     every forward): the first device keeps the module, every other device gets a copy (copy.deepcopy, as a
     hand-written DataParallel makes them), and nothing sums the copies' gradients back into the module on the main
     device (CUDA's replicate does: its backward is a reduce-add). Only the first chunk's samples train the weights."""
@@ -71,7 +71,7 @@ def replicas_without_the_reduction(module, devices):
 
 
 def train_dp(tmp_path, name, devices, batch_size, accumulate, **flags):
-    return train_state(data_parallel, data_parallel.DPConfig, tmp_path, name, impl="explicit", devices=devices,
+    return train_state(data_parallel, data_parallel.DataParallelConfig, tmp_path, name, impl="explicit", devices=devices,
                        batch_size=batch_size, accumulate=accumulate, **flags)
 
 
@@ -109,11 +109,11 @@ def test_explicit_dp_equals_baseline_on_a_short_set(tmp_path, baselines):
 
 
 def test_replicas_without_the_gradient_reduction_fail_the_same_check(tmp_path, baselines, monkeypatch):
-    """The known-wrong variant in the technique's own code: parallel.replicate's copies, whose gradients never reach
+    """The known-wrong variant in the technique's own code: replicate's copies, whose gradients never reach
     the module on the main device (only the first chunk trains), fails the short set's check by orders of
     magnitude."""
     base, _ = baselines(14, 2, **SHORT)
-    monkeypatch.setattr(parallel, "replicate", replicas_without_the_reduction)
+    monkeypatch.setattr("manual_train.data_parallel.replicate", replicas_without_the_reduction)
     wrong, _ = train_dp(tmp_path, "wrong", "cpu,cpu,cpu", 14, 2, **SHORT)
     print(f"replicas without the reduction vs one device: {max_param_diff(base, wrong):.3g}")
     with pytest.raises(AssertionError, match="64-true max abs diff"):
@@ -131,7 +131,7 @@ def test_fp32_explicit_dp_within_the_noise_floor_and_replicas_without_the_reduct
                                                       accumulate=accumulate, **flags)[0], base)
     state, _ = train_dp(tmp_path, "dp", devices, batch_size, accumulate, **flags)
     assert_within_fp32_floor(max_param_diff(base, state), floor, "3 chunks vs one device")
-    monkeypatch.setattr(parallel, "replicate", replicas_without_the_reduction)
+    monkeypatch.setattr("manual_train.data_parallel.replicate", replicas_without_the_reduction)
     wrong, _ = train_dp(tmp_path, "wrong", devices, batch_size, accumulate, **flags)
     with pytest.raises(AssertionError):
         assert_within_fp32_floor(max_param_diff(base, wrong), floor, "replicas without the reduction vs one device")
@@ -146,7 +146,7 @@ def test_torch_dataparallel_on_cpu_is_the_module(tmp_path, baselines):
     assert wrapped.device_ids == [] and wrapped.module is module
     assert torch.equal(wrapped(x), module(x))
     base, _ = baselines(32, 1, **PARITY)
-    state, _ = train_state(data_parallel, data_parallel.DPConfig, tmp_path, "dp", impl="torch",
+    state, _ = train_state(data_parallel, data_parallel.DataParallelConfig, tmp_path, "dp", impl="torch",
                            devices="cpu,cpu", batch_size=32, **PARITY)
     assert_cross_path_64(base, state, "torch DataParallel on CPU (the module itself) vs one device")
 
@@ -181,14 +181,14 @@ def test_per_chunk_losses_need_weighting():
     full = grad(lambda: loss_fn(model(x), y))
 
     def gathered():
-        chunks = parallel.scatter((x,), devices)
-        outputs = parallel.parallel_apply(parallel.replicate(model, devices), chunks, devices)
-        return loss_fn(parallel.gather(outputs, CPU), y)
+        chunks = scatter((x,), devices)
+        outputs = parallel_apply(replicate(model, devices), chunks, devices)
+        return loss_fn(gather(outputs, CPU), y)
 
     def chunk_losses():
         return [loss_fn(model(xc), yc) for xc, yc in zip(x.chunk(3), y.chunk(3))]
 
-    assert [len(c[0]) for c in parallel.scatter((x,), devices)] == [4, 4, 2]
+    assert [len(c[0]) for c in scatter((x,), devices)] == [4, 4, 2]
     assert (grad(gathered) - full).abs().max() <= PARITY_TOL_64
     weighted = grad(lambda: sum(l * len(yc) / len(y) for l, yc in zip(chunk_losses(), y.chunk(3))))
     assert (weighted - full).abs().max() <= PARITY_TOL_64
@@ -203,8 +203,8 @@ def test_explicit_forward_with_fewer_samples_than_devices():
     torch.manual_seed(0)
     model = SmallCNN(1, 10).double()
     x, _ = digits_batch(2)
-    explicit = parallel.ExplicitDataParallel(model, [CPU] * 3, CPU)
-    assert len(parallel.scatter((x,), [CPU] * 3)) == 2
+    explicit = ExplicitDataParallel(model, [CPU] * 3, CPU)
+    assert len(scatter((x,), [CPU] * 3)) == 2
     assert (explicit(x) - model(x)).abs().max() <= PARITY_TOL_64
     with torch.no_grad():
         assert not explicit(x).requires_grad
@@ -215,7 +215,7 @@ def test_resume_continues_exactly(tmp_path):
     the resumed call trains only the 3 remaining micro-batches, the straight run's last 3. A rerun from scratch
     (--resume ignored) ends in the same weights, so the weights alone cannot tell; it trains all 6 and fails there."""
     common = dict(impl="explicit", devices="cpu,cpu,cpu", batch_size=10, schedule="constant", log_every=1)
-    assert_resumes_not_reruns(tmp_path, data_parallel, data_parallel.DPConfig, **common)
+    assert_resumes_not_reruns(tmp_path, data_parallel, data_parallel.DataParallelConfig, **common)
 
 
 # ---------------------------------------------------------------------- bad input
@@ -241,12 +241,12 @@ def cuda_missing_line(flag: str, names: str, highest: int) -> str:
                                                          "(allowed: cpu, cuda:N)"),
     (["--devices", "cpu,cpu,cpu", "--batch-size", "2"], "error: --batch-size: 2 cannot be split over 3 devices "
                                                         "(allowed: >= 3)"),
-    (["--device", "cpu"], "error: --device: dp.py places the model with --devices, not --device (allowed: auto)"),
+    (["--device", "cpu"], "error: --device: launch/data_parallel.py places the model with --devices, not --device (allowed: auto)"),
 ])
 def test_bad_input_is_one_line(tmp_path, capsys, argv, line):
     line = line or cuda_missing_line("--devices", "cuda:0, cuda:63", 63)
     out_dir = tmp_path / "never"
-    rc = cli_run(data_parallel.train, data_parallel.DPConfig, script="dp", argv=argv + ["--out-dir", str(out_dir)])
+    rc = cli_run(data_parallel.train, data_parallel.DataParallelConfig, script="data_parallel", argv=argv + ["--out-dir", str(out_dir)])
     assert (rc, capsys.readouterr().err) == (2, line + "\n")
     assert not out_dir.exists()
 
@@ -254,7 +254,7 @@ def test_bad_input_is_one_line(tmp_path, capsys, argv, line):
 def test_script_bad_input_real_process(tmp_path):
     """The launch script itself: exit 2, one line on stderr, no traceback, nothing created."""
     out_dir = tmp_path / "never"
-    result = run_script("dp", "--devices", "cpu,cpu,gpu", "--out-dir", str(out_dir))
+    result = run_script("data_parallel", "--devices", "cpu,cpu,gpu", "--out-dir", str(out_dir))
     assert result.returncode == 2
     assert result.stderr == "error: --devices: unknown device 'gpu' (allowed: cpu, cuda:N)\n"
     assert not out_dir.exists()
@@ -263,7 +263,7 @@ def test_script_bad_input_real_process(tmp_path):
 # ---------------------------------------------------------------------- the outputs contract, as a user runs it
 def test_script_writes_the_outputs_contract(tmp_path):
     out_dir = tmp_path / "run"
-    result = run_script("dp", "--impl", "explicit", "--max-steps", "3", "--log-every", "1", "--no-progress",
+    result = run_script("data_parallel", "--impl", "explicit", "--max-steps", "3", "--log-every", "1", "--no-progress",
                         "--out-dir", str(out_dir))
     assert result.returncode == 0, result.stderr
     assert "splits into chunks of [16, 16]" in result.stdout  # defaults: digits, batch 32, cpu,cpu on this host
@@ -271,7 +271,7 @@ def test_script_writes_the_outputs_contract(tmp_path):
     assert rows[0].split(",") == list(CSV_COLUMNS) and [r.split(",")[2] for r in rows[1:]] == ["train"] * 3 + ["val"]
     summary = json.loads((out_dir / "summary.json").read_text())
     assert set(SUMMARY_KEYS) <= summary.keys()
-    assert (summary["script"], summary["optimizer_steps"], summary["impl"]) == ("dp", 3, "explicit")
+    assert (summary["script"], summary["optimizer_steps"], summary["impl"]) == ("data_parallel", 3, "explicit")
     for name in ("last.pt", "best.pt"):
         ckpt = torch.load(out_dir / name, map_location="cpu", weights_only=True)
         assert set(REQUIRED_KEYS) <= ckpt.keys() and not any(k.startswith("module.") for k in ckpt["model"])
@@ -284,7 +284,7 @@ def test_gpu_dp_equals_single_gpu(tmp_path, impl):
     """mlp (no TF32 convolutions) on digits: two GPUs, outputs gathered on cuda:1, against one GPU."""
     common = dict(model="mlp", batch_size=32, **STEPS)
     base, _ = train_state(single, Config, tmp_path, "s", device="cuda:0", **common)
-    state, summary = train_state(data_parallel, data_parallel.DPConfig, tmp_path, "dp", impl=impl,
+    state, summary = train_state(data_parallel, data_parallel.DataParallelConfig, tmp_path, "dp", impl=impl,
                                  devices="cuda:0,cuda:1", output_device="cuda:1", **common)
     assert max_param_diff(base, state) < 1e-5  # GPU reductions over 16 rows instead of 32 round differently
     assert set(summary["peak_mem_bytes_per_device"]) == {"cuda:0", "cuda:1"}
@@ -299,7 +299,7 @@ def test_gpu_explicit_forward_is_dataparallels():
     x, y = digits_batch(32, torch.float32)
     grads = []
     for wrapped in (nn.DataParallel(model, device_ids=devices),
-                    parallel.ExplicitDataParallel(model, devices, devices[0])):
+                    ExplicitDataParallel(model, devices, devices[0])):
         model.zero_grad(set_to_none=True)
         out = wrapped(x)
         loss_fn(out, y.to(devices[0])).backward()

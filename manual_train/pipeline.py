@@ -57,7 +57,7 @@ class PipelineConfig(DDPConfig):
                              "gpt (with --dataset reverse)")
         if self.loss is not None:
             raise UsageError("--loss", "the pipeline's last stage computes the cross-entropy in micro-batch shares "
-                                       "(pipelining.share); another loss is not built there", "no --loss")
+                                       "(pipeline.share); another loss is not built there", "no --loss")
         if self.dp != 1:
             raise UsageError("--dp", "pipeline x data parallel is not built here (each stage would need its own DDP "
                                      "group and the tied embedding a group per replica)", "1")

@@ -45,7 +45,7 @@ GPT_SIZES = dict(n_head=4, n_embd=64, mlp=256)  # models._build_model's GPT: wha
 
 # ---------------------------------------------------------------------- the flags
 @dataclass
-class TPConfig(ZeroConfig):
+class TensorParallelConfig(ZeroConfig):
     """launch/zero.py's flags (--stage: the FSDP2 of 2-D runs) plus the mesh's shape."""
 
     tp: int = arg(0, "tensor-parallel ranks that split every attention and MLP (0: world size / --dp)", min=0)
@@ -96,7 +96,7 @@ def check_tp(model: str, tp: int, dp: int, impl: str, stage: int, world_size: in
         raise UsageError("--stage", "ZeroRedundancyOptimizer does not take DTensor parameters", "2 or 3")
 
 
-def dp_coords(cfg: TPConfig, env: DistEnv) -> tuple[int, int]:
+def dp_coords(cfg: TensorParallelConfig, env: DistEnv) -> tuple[int, int]:
     """(dp size, this rank's dp index): the mesh is (dp, tp) row-major, so ranks r*tp .. r*tp+tp-1 form replica r
     and share every batch."""
     dp, tp = cfg.mesh_shape(env.world_size)
@@ -175,7 +175,8 @@ def split_sequence(raw_model: nn.Module, mesh) -> None:
     raw_model.blocks[-1].register_forward_hook(lambda m, inputs, out: move(out, Shard(1), Replicate()))
 
 
-def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer, cfg: TPConfig, device: torch.device) -> "TP":
+def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer, cfg: TensorParallelConfig,
+                device: torch.device) -> "TP":
     """TP (and FSDP2 over dp when --dp > 1) applied to the baseline's model; the optimizer rebuilt over the
     DTensors with the baseline's class and hyper-parameters (it has not stepped: nothing is lost)."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -214,4 +215,4 @@ class TP(FSDP2Sharded):
         return tp_report(self)
 
 
-__all__ = ["TPConfig", "TP", "block_plan", "check_tp", "dp_coords", "parallelize"]
+__all__ = ["TensorParallelConfig", "TP", "block_plan", "check_tp", "dp_coords", "parallelize"]

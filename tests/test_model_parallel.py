@@ -1,4 +1,4 @@
-"""Model parallelism (launch/mp.py, manual_train/loops/model_parallel.py, parallel.split_encoder_decoder).
+"""Model parallelism (launch/model_parallel.py, manual_train/loops/model_parallel.py, manual_train/model_parallel.py).
 
 Parity with `--devices cpu,cpu`, proven in 64-true (float64; docs/parity.md) within PARITY_TOL_64 = 1e-9: the split
 model computes the one-device model's outputs and gradients, with and without micro-batches, and its loop trains the
@@ -24,12 +24,12 @@ import torch
 
 from conftest import (FP32_MODEL, PARITY_TOL_64, SEQ, assert_cross_path_64, assert_resumes_not_reruns,
                       assert_within_fp32_floor, cuda_devices, fp32_noise_floor, max_param_diff, run_script, train_state)
-from manual_train import parallel
 from manual_train.cli import run as cli_run
 from manual_train.config import Config
 from manual_train.data import ReverseDigits
 from manual_train.loops import model_parallel, single
 from manual_train.metrics import CSV_COLUMNS, SUMMARY_KEYS
+from manual_train.model_parallel import bubble_fraction, fill_drain_schedule, split_encoder_decoder
 from manual_train.models import Seq2Seq, loss_fn
 
 CPU = torch.device("cpu")
@@ -40,7 +40,7 @@ SEQ_FP32 = dict(SEQ_PARITY, precision="32-true")  # the fp32 pairing: the same r
 assert FP32_MODEL != SEQ["model"]  # (the seq2seq tests keep their model in fp32)
 
 
-real_split_encoder_decoder = parallel.split_encoder_decoder
+real_split_encoder_decoder = split_encoder_decoder
 
 
 class Detached(torch.nn.Module):
@@ -55,7 +55,7 @@ class Detached(torch.nn.Module):
 
 
 def split_with_a_detached_hop(model, devices, microbatches=1):
-    """The known-wrong variant of parallel.split_encoder_decoder (the technique's own code): the encoder's hidden state
+    """The known-wrong variant of split_encoder_decoder (the technique's own code): the encoder's hidden state
     crosses to the decoder's device detached, as `h.detach().to(B)` or a tensor rebuilt on B would, so backward stops
     at the hop: the decoder trains, the encoder keeps its initial weights."""
     split = real_split_encoder_decoder(model, devices, microbatches)
@@ -88,7 +88,7 @@ def test_split_equals_one_device(microbatches):
     model = Seq2Seq(ReverseDigits.VOCAB).double()
     reference = copy.deepcopy(model)
     x, y = batch(10)
-    split = parallel.split_encoder_decoder(model, [CPU, CPU], microbatches)
+    split = split_encoder_decoder(model, [CPU, CPU], microbatches)
     assert split.encoder is model.encoder and split.decoder is model.decoder  # no copies: the model's own weights
     out, grads = outputs_and_grads(model, split, x, y)
     ref_out, ref_grads = outputs_and_grads(reference, reference, x, y)
@@ -114,16 +114,16 @@ def test_microbatch_losses_need_weighting():
 
 
 def test_fill_drain_schedule_and_bubble():
-    assert parallel.fill_drain_schedule(2, 3) == [[(0, 0)], [(0, 1), (1, 0)], [(0, 2), (1, 1)], [(1, 2)]]
+    assert fill_drain_schedule(2, 3) == [[(0, 0)], [(0, 1), (1, 0)], [(0, 2), (1, 1)], [(1, 2)]]
     for stages in (2, 3, 4):
         for micro in (1, 2, 4, 8):
-            clocks = parallel.fill_drain_schedule(stages, micro)
+            clocks = fill_drain_schedule(stages, micro)
             runs = [(s, m, t) for t, clock in enumerate(clocks) for s, m in clock]
             assert sorted((s, m) for s, m, _ in runs) == [(s, m) for s in range(stages) for m in range(micro)]
             assert all(t == s + m for s, m, t in runs)  # stage s takes micro-batch m right after stage s-1
             idle = stages * len(clocks) - len(runs)
-            assert idle / (stages * len(clocks)) == pytest.approx(parallel.bubble_fraction(stages, micro))
-            assert parallel.bubble_fraction(stages, micro) == pytest.approx((stages - 1) / (micro + stages - 1))
+            assert idle / (stages * len(clocks)) == pytest.approx(bubble_fraction(stages, micro))
+            assert bubble_fraction(stages, micro) == pytest.approx((stages - 1) / (micro + stages - 1))
 
 
 def test_forward_issues_the_schedule():
@@ -133,9 +133,9 @@ def test_forward_issues_the_schedule():
     calls = []
     model.encoder.register_forward_pre_hook(lambda mod, args: calls.append((0, len(args[0]))))
     model.decoder.register_forward_pre_hook(lambda mod, args: calls.append((1, len(args[0]))))
-    parallel.split_encoder_decoder(model, [CPU, CPU], microbatches=3)(batch(10)[0])
+    split_encoder_decoder(model, [CPU, CPU], microbatches=3)(batch(10)[0])
     sizes = [4, 4, 2]  # tensor.chunk: ceil(10 / 3) rows each, the rest last
-    assert calls == [(s, sizes[m]) for clock in parallel.fill_drain_schedule(2, 3) for s, m in reversed(clock)]
+    assert calls == [(s, sizes[m]) for clock in fill_drain_schedule(2, 3) for s, m in reversed(clock)]
 
 
 # ---------------------------------------------------------------------- the loop
@@ -146,7 +146,7 @@ def baseline(tmp_path_factory):
 
 
 def train_mp(tmp_path, name, microbatches, **flags):
-    return train_state(model_parallel, model_parallel.MPConfig, tmp_path, name, devices="cpu,cpu",
+    return train_state(model_parallel, model_parallel.ModelParallelConfig, tmp_path, name, devices="cpu,cpu",
                        microbatches=microbatches, **flags)
 
 
@@ -164,7 +164,7 @@ def test_mp_loop_equals_baseline(tmp_path, baseline, microbatches):
 def test_a_detached_hop_fails_the_same_check(tmp_path, baseline, monkeypatch):
     """The split with the encoder's hidden state crossing detached (M = 3): the encoder never trains, far outside
     1e-9."""
-    monkeypatch.setattr(parallel, "split_encoder_decoder", split_with_a_detached_hop)
+    monkeypatch.setattr(model_parallel, "split_encoder_decoder", split_with_a_detached_hop)
     wrong, _ = train_mp(tmp_path, "wrong", 3, **SEQ_PARITY)
     print(f"a detached hop vs one device: {max_param_diff(baseline[0], wrong):.3g}")
     assert max_param_diff(baseline[0], wrong) > 1e6 * PARITY_TOL_64
@@ -176,7 +176,7 @@ def test_fp32_mp_within_the_noise_floor_and_a_detached_hop_is_not(tmp_path, monk
     floor = fp32_noise_floor(lambda name: train_state(single, Config, tmp_path, name, **SEQ_FP32)[0], base)
     state, _ = train_mp(tmp_path, "mp", 3, **SEQ_FP32)
     assert_within_fp32_floor(max_param_diff(base, state), floor, "split, M = 3, vs one device")
-    monkeypatch.setattr(parallel, "split_encoder_decoder", split_with_a_detached_hop)
+    monkeypatch.setattr(model_parallel, "split_encoder_decoder", split_with_a_detached_hop)
     wrong, _ = train_mp(tmp_path, "wrong", 3, **SEQ_FP32)
     with pytest.raises(AssertionError):
         assert_within_fp32_floor(max_param_diff(base, wrong), floor, "a detached hop vs one device")
@@ -184,14 +184,14 @@ def test_fp32_mp_within_the_noise_floor_and_a_detached_hop_is_not(tmp_path, monk
 
 def test_resume_continues_exactly(tmp_path):
     """3 steps, then --resume auto on to 6: the weights of 6 steps straight, and the resumed call trains only the 3
-    remaining batches, the straight run's last 3; a rerun from scratch (--resume ignored) trains all 6 (test_dp.py)."""
+    remaining batches, the straight run's last 3; a rerun from scratch (--resume ignored) trains all 6 (test_data_parallel.py)."""
     common = dict(SEQ, microbatches=2, schedule="constant")
-    assert_resumes_not_reruns(tmp_path, model_parallel, model_parallel.MPConfig, **common)
+    assert_resumes_not_reruns(tmp_path, model_parallel, model_parallel.ModelParallelConfig, **common)
 
 
 # ---------------------------------------------------------------------- bad input
 def test_bad_input_is_one_line(tmp_path, capsys):
-    from test_dp import cuda_missing_line
+    from test_data_parallel import cuda_missing_line
 
     cases = [
         (["--devices", "cpu"], "error: --devices: 1 device(s) given; model parallelism (encoder device, decoder "
@@ -208,7 +208,7 @@ def test_bad_input_is_one_line(tmp_path, capsys):
     ]
     for argv, line in cases:
         out_dir = tmp_path / "never"
-        rc = cli_run(model_parallel.train, model_parallel.MPConfig, script="mp",
+        rc = cli_run(model_parallel.train, model_parallel.ModelParallelConfig, script="model_parallel",
                      argv=argv + ["--out-dir", str(out_dir)], **model_parallel.DEFAULTS)
         assert (rc, capsys.readouterr().err) == (2, line + "\n"), argv
         assert not out_dir.exists()
@@ -216,9 +216,9 @@ def test_bad_input_is_one_line(tmp_path, capsys):
 
 # ---------------------------------------------------------------------- the script as a user runs it
 def test_script_defaults_and_outputs(tmp_path):
-    """launch/mp.py defaults to the reverse task (adamw) and writes the outputs contract."""
+    """launch/model_parallel.py defaults to the reverse task (adamw) and writes the outputs contract."""
     out_dir = tmp_path / "run"
-    result = run_script("mp", "--synthetic-size", "64", "--microbatches", "2", "--max-steps", "2", "--no-progress",
+    result = run_script("model_parallel", "--synthetic-size", "64", "--microbatches", "2", "--max-steps", "2", "--no-progress",
                         "--out-dir", str(out_dir))
     assert result.returncode == 0, result.stderr
     assert "encoder on cpu, decoder on cpu; 2 micro-batch(es) of [16, 16]" in result.stdout
@@ -239,7 +239,7 @@ def test_gpu_split_equals_one_gpu(microbatches):
     model = Seq2Seq(ReverseDigits.VOCAB)
     reference = copy.deepcopy(model).to(devices[0])
     x, y = batch(32)
-    split = parallel.split_encoder_decoder(model, devices, microbatches)
+    split = split_encoder_decoder(model, devices, microbatches)
     assert {p.device for p in model.encoder.parameters()} == {devices[0]}
     assert {p.device for p in model.decoder.parameters()} == {devices[1]}
     out, grads = outputs_and_grads(model, split, x, y)
