@@ -1,4 +1,4 @@
-# make demo   create .venv, install, run the main job
+# make demo   create .venv, install the package alone (no test extras), run the main job
 # make test   create .venv, install with the test extras, run the whole suite
 # make bench  the CPU benchmark (quick)
 # make test-isa  the parity tests under each instruction set a user's CPU may have (native, AVX2, the lowest)
@@ -17,7 +17,15 @@ $(VENV)/.installed: setup.cfg setup.py
 	$(PY) -m pip install --quiet -e '.[test,zero,bench]'
 	touch $@
 
-demo: $(VENV)/.installed
+# The demo needs the package alone (torch, torchvision, scikit-learn, tqdm): its own stamp, so that `make demo`
+# installs no pytest, fairscale or matplotlib; `make test` later adds them through .installed.
+$(VENV)/.installed-demo: setup.cfg setup.py
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e .
+	touch $@
+
+demo: $(VENV)/.installed-demo
 	$(VENV)/bin/torchrun --nproc_per_node=4 launch/ddp.py
 
 # pytest exits 5 when it collected no tests: that is a broken suite, not a pass.
