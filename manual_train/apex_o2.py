@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from manual_train.config import MAX_LOSS_SCALE, O2_PRECISIONS, Config, _number, arg
+from manual_train.config import COMPILE_SCRIPTS, MAX_LOSS_SCALE, O2_PRECISIONS, Config, _number, arg
 from manual_train.errors import UsageError
 from manual_train.precision import check_precision
 from manual_train.runtime import resolve_device
@@ -161,6 +161,11 @@ class ApexO2Config(Config):
 
     def check_precision_choice(self) -> None:
         pass  # argparse took one of O2_PRECISIONS
+
+    def check_compile(self) -> None:
+        if self.compile != "none":
+            raise UsageError("--compile", "apex's amp.initialize patches forward after the model is built; not built "
+                                          "for apex-o2", COMPILE_SCRIPTS)
 
     def validate_step(self) -> None:
         super().validate_step()

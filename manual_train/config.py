@@ -47,15 +47,8 @@ DATASETS = ("digits", "mnist", "fashion-mnist", "cifar10", "synthetic", "reverse
 MODELS = ("mlp", "cnn", "resnet18", "seq2seq", "gpt")
 CHECKPOINTING = ("none", "full", "selective")  # --activation-checkpointing (manual_train/models.py, docs/levers.md)
 COMPILE = ("none", "model", "blocks")  # --compile (models.compile_model, docs/levers.md)
-# --compile where it is not built, by config class (checked along the MRO): compile_model runs before every wrapper,
-# which is the right order only where the wrapper leaves forward alone (single, DDP); FSDP2 and the pipeline
-# compile after wrapping instead (cfg.compile_after_wrapping)
-NO_COMPILE = {
-    "DataParallelConfig": "DataParallel copies the module into replicas every step; a compiled forward is not what runs there",
-    "ModelParallelConfig": "model parallelism replaces forward with its own split over devices; compiling it is not built",
-    "HybridConfig": "the hybrid's stages replace forward with their own split; not built for it",
-    "ApexO2Config": "apex's amp.initialize patches forward after the model is built; not built for apex-o2",
-}
+# --compile's scripts, named by the configs whose script refuses it (their check_compile)
+COMPILE_SCRIPTS = "none, or launch/single.py, ddp.py, zero.py, pipeline.py or tensor_parallel.py"
 PRECISIONS = ("32-true", "64-true", "16-mixed", "bf16-mixed")
 # apex's O2 is its own lesson: only launch/apex_o2.py takes these (manual_train/apex_o2.py, loops/apex_o2.py)
 O2_PRECISIONS = ("16-o2", "apex-o2")
@@ -254,20 +247,43 @@ class Config:
             self.val_every_steps = self.checkpoint_every_steps = None
             self.profile = False
 
+    # ------------------------------------------------------------------ what this config's script supports
+    # A script's config class states what its loop builds by overriding these (no lookups by class name, no probing
+    # for attributes): check_compile (DataParallelConfig, ModelParallelConfig, HybridConfig, ApexO2Config refuse
+    # --compile; ZeroConfig and TensorParallelConfig some of its forms), compile_after_wrapping (ZeroConfig,
+    # TensorParallelConfig, PipelineConfig) and saves_dcp, saves_async (ZeroConfig's --checkpoint-format and
+    # --async-checkpoint).
     def check_compile(self) -> None:
-        """--compile where it applies: before the only wrappers that leave forward alone, on a plain forward."""
+        """--compile where it applies: models.build_model_from compiles before any wrapper, the right order only where
+        the wrapper leaves forward alone (single, DDP); a script whose wrapper replaces or patches forward overrides
+        this to refuse it (naming COMPILE_SCRIPTS), one that compiles after wrapping sets compile_after_wrapping."""
         if self.compile == "none":
             return
-        refused = next((NO_COMPILE[c.__name__] for c in type(self).__mro__ if c.__name__ in NO_COMPILE), None)
-        if refused:
-            raise UsageError("--compile", refused,
-                             "none, or launch/single.py, ddp.py, zero.py, pipeline.py or tensor_parallel.py")
         if self.activation_checkpointing != "none":  # checkpoint's recompute runs Python (BatchNorm's momentum swap)
             raise UsageError("--compile", "with --activation-checkpointing is not built (its recompute is Python "
                              "that dynamo would have to trace)", "none, or --activation-checkpointing none")
         if self.compile == "blocks" and self.model not in ("gpt", "resnet18"):
             raise UsageError("--compile", f"--model {self.model} has no repeated blocks to compile one by one",
                              "none, model, or --model gpt or resnet18")
+
+    @property
+    def compile_after_wrapping(self) -> bool:
+        """Whether this script applies --compile itself, after its wrapper (FSDP2's fully_shard, the pipeline's split,
+        tensor parallelism), so that models.build_model_from leaves the model uncompiled. No: compiled before any
+        wrapper."""
+        return False
+
+    @property
+    def saves_dcp(self) -> bool:
+        """Whether checkpoints are DCP folders, every rank writing its own shards (run.Run: last.dcp, best.dcp). No:
+        last.pt and best.pt, the full state gathered to rank 0, which every loop resumes."""
+        return False
+
+    @property
+    def saves_async(self) -> bool:
+        """Whether those DCP shards are written in a background thread, the loop waiting only for a copy to host
+        memory. No: every save blocks until it is on disk."""
+        return False
 
     def max_time_s(self) -> Optional[float]:
         return parse_duration(self.max_time, "--max-time")
@@ -313,7 +329,7 @@ class Config:
             raise UsageError("--model", f"--dataset reverse is a sequence task; {self.model} is an image model",
                              "seq2seq, gpt")
         check_device_name(self.device, "--device")
-        if getattr(self, "optimizer_impl", None) == "fused" and self.optimizer == "sgd" and self.precision == "16-mixed":
+        if self.optimizer_impl == "fused" and self.optimizer == "sgd" and self.precision == "16-mixed":
             raise UsageError("--optimizer-impl", SCALER_SKIPS_FUSED_SGD, "foreach, for-loop, or --optimizer adamw")
 
     def check_model_and_dataset(self) -> None:

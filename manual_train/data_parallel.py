@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 import torch
 import torch.nn as nn
 
-from manual_train.config import Config, UsageError, arg
+from manual_train.config import COMPILE_SCRIPTS, Config, UsageError, arg
 from manual_train.runtime import cuda_list, parse_devices
 
 
@@ -48,6 +48,11 @@ class DataParallelConfig(Config):
             raise UsageError("--output-device", f"{out} is not a {devices[0].type} device like --devices",
                              ", ".join(sorted({str(d) for d in devices})))
         return out
+
+    def check_compile(self) -> None:
+        if self.compile != "none":
+            raise UsageError("--compile", "DataParallel copies the module into replicas every step; a compiled forward "
+                                          "is not what runs there", COMPILE_SCRIPTS)
 
     def validate(self) -> None:
         super().validate()

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from manual_train.config import arg
+from manual_train.config import COMPILE_SCRIPTS, arg
 from manual_train.data_parallel import data_parallel
 from manual_train.distributed import DDPConfig, DistEnv, read_env
 from manual_train.errors import UsageError
@@ -81,6 +81,11 @@ class HybridConfig(DDPConfig):
     def on_cuda(self) -> bool:
         """--devices decides, not --device (DDPConfig's checks of --backend nccl read this)."""
         return self.device_groups(read_env())[0][0].type == "cuda"
+
+    def check_compile(self) -> None:
+        if self.compile != "none":
+            raise UsageError("--compile", "the hybrid's stages replace forward with their own split; not built for it",
+                             COMPILE_SCRIPTS)
 
     def validate(self) -> None:
         if self.device != "auto":

@@ -13,7 +13,7 @@ from typing import Sequence
 import torch
 import torch.nn as nn
 
-from manual_train.config import Config, UsageError, arg
+from manual_train.config import COMPILE_SCRIPTS, Config, UsageError, arg
 from manual_train.runtime import parse_devices
 
 
@@ -33,6 +33,11 @@ class ModelParallelConfig(Config):
             text = "cuda:0,cuda:1" if n >= 2 else "cuda:0,cuda:0" if n == 1 else "cpu,cpu"
         return parse_devices(text, "--devices", count=2, cuda_repeats=True,
                              role="model parallelism (encoder device, decoder device)")
+
+    def check_compile(self) -> None:
+        if self.compile != "none":
+            raise UsageError("--compile", "model parallelism replaces forward with its own split over devices; "
+                                          "compiling it is not built", COMPILE_SCRIPTS)
 
     def validate(self) -> None:
         super().validate()

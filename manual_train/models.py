@@ -331,8 +331,9 @@ def build_model_from(cfg, info: DataInfo) -> nn.Module:
     """build_model with the run's model flags (--model, --dropout, --activation-checkpointing, --compile): the
     loops' call, before any wrapper."""
     model = build_model(cfg.model, info, cfg.dropout, cfg.activation_checkpointing)
-    # FSDP2 and the pipeline's stages compile after sharding or splitting (zero.compile_sharded, pipeline.Pipeline)
-    return compile_model(cfg.model, model, "none" if getattr(cfg, "compile_after_wrapping", False) else cfg.compile)
+    # FSDP2, tensor parallelism and the pipeline's stages compile after sharding or splitting (their configs'
+    # compile_after_wrapping: zero.compile_sharded, pipeline.Pipeline)
+    return compile_model(cfg.model, model, "none" if cfg.compile_after_wrapping else cfg.compile)
 
 
 def _build_model(name: str, info: DataInfo, dropout: float) -> nn.Module:

@@ -47,9 +47,9 @@ def build_optimizer(cfg: Config, params, lr: float) -> torch.optim.Optimizer:
     """torch.optim's SGD (momentum 0.9) or AdamW with --optimizer-impl's kernel (resolve_impl); under 16-mixed, SGD
     is never fused (config.SCALER_SKIPS_FUSED_SGD): the default falls back to foreach, an explicit fused is refused."""
     params = list(params)
-    impl = resolve_impl(getattr(cfg, "optimizer_impl", None), params)
+    impl = resolve_impl(cfg.optimizer_impl, params)
     kwargs = dict(lr=lr, weight_decay=cfg.weight_decay, foreach=impl == "foreach", fused=impl == "fused" or None)
-    kwargs = foreach_instead_of_fused(kwargs, getattr(cfg, "optimizer_impl", None),
+    kwargs = foreach_instead_of_fused(kwargs, cfg.optimizer_impl,
                                       cfg.optimizer == "sgd" and cfg.precision == "16-mixed", SCALER_SKIPS_FUSED_SGD,
                                       "foreach, for-loop, or --optimizer adamw")
     if cfg.optimizer == "adamw":

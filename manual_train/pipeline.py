@@ -47,7 +47,9 @@ class PipelineConfig(DDPConfig):
     stages: int = arg(0, "pipeline stages (0: the world size; one stage per rank)", min=0)
     dp: int = arg(1, "data-parallel replicas of the pipeline (only 1: see docs/pipeline.md)", min=1)
 
-    compile_after_wrapping = True  # --compile: each Stage after the split (Pipeline), not the whole GPT before it
+    @property
+    def compile_after_wrapping(self) -> bool:
+        return True  # --compile: each Stage after the split (Pipeline), not the whole GPT before it
 
     def validate(self) -> None:
         super().validate()

@@ -25,7 +25,7 @@ after saving) are made here on every rank alike. A lone process is a group of on
 The checkpointed objects only need state_dict() and load_state_dict(): the loops pass their unwrapped model
 (`raw_model`), or for ZeRO and O2 one whose state_dict() is the full fp32 state (checkpoint.FullState, O2's masters).
 state_dict() is called on every rank (ZeRO gathers the shards with collectives), the file written by rank 0.
-With --checkpoint-format dcp (configs that have it; the model object's `sharded` holds the DTensor module and
+With --checkpoint-format dcp (launch/zero.py's: cfg.saves_dcp; the model object's `sharded` holds the DTensor module and
 optimizer, checkpoint.FullState) nothing is gathered: every rank writes its shards into a folder that the link last.dcp
 names once it is complete (_save_dcp, _commit_dcp; docs/checkpointing.md).
 """
@@ -86,10 +86,9 @@ class Run:
         self.ckpt = load_checkpoint(self.resumed_from, full=False) if self.resumed_from else None
         if self.ckpt:  # or exit: one line, nothing written
             check_compatible(self.ckpt, cfg, global_batch_size, total_steps, script=script)
-        # --checkpoint-format dcp (configs that have it): last.dcp/ of every rank's shards (_save_dcp)
-        self.dcp = getattr(cfg, "checkpoint_format", "pt") == "dcp"
+        # launch/zero.py's --checkpoint-format dcp: last.dcp/ of every rank's shards (_save_dcp), maybe written async
+        self.dcp, self.async_save = cfg.saves_dcp, cfg.saves_async
         self.language_model = cfg.dataset == "pydoc"  # bits per byte and perplexity beside the loss (text.py)
-        self.async_save = self.dcp and getattr(cfg, "async_checkpoint", False)
         self.async_group, self.pending, self.blocked_s = None, None, []
         self.early = EarlyStopping(cfg.monitor, cfg.early_stop_patience, cfg.early_stop_min_delta, cfg.stop_at)
         self.tracked: dict = {}
@@ -100,7 +99,7 @@ class Run:
         self.keep = not cfg.fast_dev_run  # --fast-dev-run: nothing written
         self.profiler = None
         # --trace-dir (python -m manual_train.parity): the loss and weights after every optimizer step; None: no cost
-        self.trace = RunTrace(self) if getattr(cfg, "trace_dir", None) else None
+        self.trace = RunTrace(self) if cfg.trace_dir else None
 
     @property
     def distributed(self) -> bool:

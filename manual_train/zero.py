@@ -88,7 +88,18 @@ class ZeroConfig(DDPConfig):
         models.build_model_from; stage 1 compiles before DDP, as the DDP loop does."""
         return self.impl == "torch" and self.stage in (2, 3)
 
+    @property
+    def saves_dcp(self) -> bool:
+        """--checkpoint-format dcp: every rank writes its own shards (FSDP2; checked by check_checkpoint_format)."""
+        return self.checkpoint_format == "dcp"
+
+    @property
+    def saves_async(self) -> bool:
+        """--async-checkpoint (with dcp only)."""
+        return self.saves_dcp and self.async_checkpoint
+
     def check_compile(self) -> None:
+        """fairscale's wrappers refuse --compile; FSDP2 compiles after fully_shard (compile_after_wrapping)."""
         if self.compile != "none" and self.impl == "fairscale":
             raise UsageError("--compile", "fairscale's wrappers (OSS + ShardedDDP, its FSDP) are not built with it",
                              "none, or --impl torch")
