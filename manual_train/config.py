@@ -5,6 +5,12 @@ Every launch script shares the flags of `Config`; a script with flags of its own
 the parser, its `--help` text and the generic checks (choices, bounds, finite floats) all come from that
 one declaration, so a flag cannot be documented in one place and validated differently in another.
 
+A flag whose value has a structure (--synthetic-shape C,H,W, --limit-*-batches N|FRACTION, --max-time DURATION,
+--save-on-signal NAMES, --profile-steps A:B, the device scripts' --devices) keeps the text the user typed in its field:
+--help shows it, checkpoints save it, --resume compares it, and a command line is rebuilt from it. The code reads it
+as a typed value (`cfg.train_limit`, `cfg.time_limit_s`, `cfg.device_list()`, ...), declared with `@parsed_from`: parsed
+once, by validate(), and parsed again only if its text is set anew (--fast-dev-run's limits, evaluate's override).
+
 Bad input never produces a traceback: every check raises `UsageError(flag, what, allowed)`, which
 `manual_train.cli.run` prints as one line
 
@@ -17,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import math
 import os
 import secrets
@@ -27,7 +34,7 @@ import time
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Collection, Optional, Sequence
+from typing import Callable, Collection, Optional, Sequence, TypeVar
 
 from manual_train.errors import UsageError
 
@@ -41,6 +48,27 @@ def arg(default, help: str, *, choices: Optional[Sequence] = None, min: Optional
     """
     return field(default=default, metadata=dict(help=help, choices=choices, min=min,
                                                  min_exclusive=min_exclusive, max=max, metavar=metavar))
+
+
+T = TypeVar("T")
+
+
+def parsed_from(*names: str) -> Callable[[Callable[..., T]], Callable[..., T]]:
+    """Decorate a config method that parses the text of the flag fields `names` into a typed value: it runs once and
+    its value is kept (in the instance, not as a dataclass field: the parser, checkpoints and summary.json see the
+    text only); it runs again only after one of those fields is set to another text. validate() reads each such value
+    once, so a bad text is its one-line UsageError before any work starts. Stack @property on top for an attribute.
+    """
+    def decorate(parse: Callable[..., T]) -> Callable[..., T]:
+        @functools.wraps(parse)
+        def value(self) -> T:
+            texts = tuple(getattr(self, name) for name in names)
+            kept = vars(self).setdefault("_parsed", {})
+            if parse.__name__ not in kept or kept[parse.__name__][0] != texts:
+                kept[parse.__name__] = (texts, parse(self))
+            return kept[parse.__name__][1]
+        return value
+    return decorate
 
 
 DATASETS = ("digits", "mnist", "fashion-mnist", "cifar10", "synthetic", "reverse", "pydoc")
@@ -232,13 +260,11 @@ class Config:
         self.check_compile()
         if self.grad_clip and self.grad_clip_value:
             raise UsageError("--grad-clip-value", "clips by value; --grad-clip clips by norm: choose one")
-        for name in ("limit_train_batches", "limit_val_batches"):
-            parse_limit(getattr(self, name), _flag(name))
-        self.max_time_s()
-        self.save_signals()
+        # the text flags parsed, once (@parsed_from): a bad one is its one-line error now, before any work
+        self.train_limit, self.val_limit, self.time_limit_s, self.preemption_signals
         if self.profile or self.profile_steps:
             self.profile = True
-            self.profile_window()
+            self.profile_range
         if self.fast_dev_run:
             if self.resume:
                 raise UsageError("--fast-dev-run", "keeps no outputs and trains one step: nothing to resume")
@@ -285,38 +311,48 @@ class Config:
         memory. No: every save blocks until it is on disk."""
         return False
 
-    def max_time_s(self) -> Optional[float]:
+    # ------------------------------------------------------------------ the flags typed as text, as typed values
+    @property
+    @parsed_from("synthetic_shape")
+    def synthetic_input_shape(self) -> tuple[int, int, int]:
+        """--synthetic-shape C,H,W: one synthetic image's shape."""
+        return parse_shape(self.synthetic_shape, "--synthetic-shape")
+
+    @property
+    @parsed_from("limit_train_batches")
+    def train_limit(self) -> Optional[int | float]:
+        """--limit-train-batches: a number of micro-batches (int), a fraction of them (float), or None: all."""
+        return parse_limit(self.limit_train_batches, "--limit-train-batches")
+
+    @property
+    @parsed_from("limit_val_batches")
+    def val_limit(self) -> Optional[int | float]:
+        """--limit-val-batches: a number of evaluation batches (int), a fraction of them (float), or None: all."""
+        return parse_limit(self.limit_val_batches, "--limit-val-batches")
+
+    @property
+    @parsed_from("max_time")
+    def time_limit_s(self) -> Optional[float]:
+        """--max-time in seconds, or None: no limit."""
         return parse_duration(self.max_time, "--max-time")
 
-    def save_signals(self) -> tuple:
-        """--save-on-signal as signal numbers (TERM or SIGTERM, comma-separated; none: ())."""
-        if self.save_on_signal.strip().lower() == "none":
-            return ()
-        found = []
-        for name in (n.strip().upper() for n in self.save_on_signal.split(",")):
-            full = name if name.startswith("SIG") else "SIG" + name
-            if full in ("SIGKILL", "SIGSTOP"):
-                raise UsageError("--save-on-signal", f"{full} cannot be caught", "TERM, USR1, USR2, HUP, or none")
-            if full not in signal.Signals.__members__ or full in ("SIGINT", "SIGCHLD"):
-                raise UsageError("--save-on-signal", f"unknown signal {name}" if full not in signal.Signals.__members__
-                                 else f"{full} is not a preemption notice", "TERM, USR1, USR2, HUP, or none")
-            found.append(signal.Signals[full])
-        return tuple(found)
+    @property
+    @parsed_from("save_on_signal")
+    def preemption_signals(self) -> tuple[signal.Signals, ...]:
+        """--save-on-signal as signals (() for none)."""
+        return parse_signals(self.save_on_signal, "--save-on-signal")
 
-    def profile_window(self) -> tuple[int, int]:
-        """--profile-steps A:B as (A, B): optimizer steps A+1..B are recorded."""
-        text = self.profile_steps or "5:10"
-        parts = text.split(":")
-        if len(parts) != 2 or not all(p.strip().isdigit() for p in parts) or int(parts[0]) >= int(parts[1]):
-            raise UsageError("--profile-steps", f"{text!r} is not a window A:B of steps",
-                             "two integers 0 <= A < B, such as 10:15")
-        return int(parts[0]), int(parts[1])
+    @property
+    @parsed_from("profile_steps")
+    def profile_range(self) -> tuple[int, int]:
+        """--profile-steps A:B as (A, B): optimizer steps A+1..B are recorded (default 5:10)."""
+        return parse_window(self.profile_steps or "5:10", "--profile-steps")
 
     def validate_step(self) -> None:
         """The checks for what one training step needs: data, model, loss scale, device (find_batch_size's)."""
         self.check_precision_choice()
         self.check_model_and_dataset()
-        self.input_shape()  # parses --synthetic-shape
+        self.synthetic_input_shape  # --synthetic-shape parsed, once (@parsed_from)
         check_path(self.data_root, "--data-root")
         token_sets = {"seq2seq": ("reverse",), "gpt": ("reverse", "pydoc")}.get(self.model)
         if token_sets and self.dataset not in token_sets:
@@ -360,16 +396,6 @@ class Config:
         if self.precision not in PRECISIONS:
             raise UsageError("--precision", f"unknown precision {self.precision!r}", allowed)
 
-    def input_shape(self) -> tuple:
-        try:
-            shape = tuple(int(s) for s in self.synthetic_shape.split(","))
-        except ValueError:
-            shape = ()
-        if len(shape) != 3 or min(shape) < 1:
-            raise UsageError("--synthetic-shape", f"{self.synthetic_shape!r} is not three positive integers",
-                             "C,H,W such as 3,32,32")
-        return shape
-
     def run_dir(self, script: str) -> Path:
         """--out-dir, or runs/<script>-<YYYYmmdd-HHMMSS>-<6 random hex digits> (chosen once; under torchrun
         rank 0 chooses and broadcasts it). The random part keeps two runs started in the same second apart,
@@ -385,7 +411,19 @@ class Config:
         return Path(self.resume) if self.resume else None
 
 
-def parse_limit(text: Optional[str], flag: str):
+# ---------------------------------------------------------------------- the text flags' parsers (one each)
+def parse_shape(text: str, flag: str) -> tuple[int, int, int]:
+    """C,H,W as three positive integers."""
+    try:
+        shape = tuple(int(s) for s in text.split(","))
+    except ValueError:
+        shape = ()
+    if len(shape) != 3 or min(shape) < 1:
+        raise UsageError(flag, f"{text!r} is not three positive integers", "C,H,W such as 3,32,32")
+    return shape
+
+
+def parse_limit(text: Optional[str], flag: str) -> Optional[int | float]:
     """--limit-*-batches as Lightning reads them: an integer is a number of batches (>= 1), a number with a point
     a fraction of them (0 < f <= 1); None: no limit."""
     if text is None:
@@ -429,6 +467,30 @@ def parse_duration(text: Optional[str], flag: str) -> Optional[float]:
     if not 0 < seconds <= 10 ** 9:
         raise UsageError(flag, f"{text} is out of range", allowed)
     return float(seconds)
+
+
+def parse_signals(text: str, flag: str) -> tuple[signal.Signals, ...]:
+    """Signal names, comma-separated (TERM or SIGTERM), that a process may catch as a preemption notice; none: ()."""
+    if text.strip().lower() == "none":
+        return ()
+    found = []
+    for name in (n.strip().upper() for n in text.split(",")):
+        full = name if name.startswith("SIG") else "SIG" + name
+        if full in ("SIGKILL", "SIGSTOP"):
+            raise UsageError(flag, f"{full} cannot be caught", "TERM, USR1, USR2, HUP, or none")
+        if full not in signal.Signals.__members__ or full in ("SIGINT", "SIGCHLD"):
+            raise UsageError(flag, f"unknown signal {name}" if full not in signal.Signals.__members__
+                             else f"{full} is not a preemption notice", "TERM, USR1, USR2, HUP, or none")
+        found.append(signal.Signals[full])
+    return tuple(found)
+
+
+def parse_window(text: str, flag: str) -> tuple[int, int]:
+    """A:B as (A, B), two integers 0 <= A < B."""
+    parts = text.split(":")
+    if len(parts) != 2 or not all(p.strip().isdigit() for p in parts) or int(parts[0]) >= int(parts[1]):
+        raise UsageError(flag, f"{text!r} is not a window A:B of steps", "two integers 0 <= A < B, such as 10:15")
+    return int(parts[0]), int(parts[1])
 
 
 def check_device_name(name: str, flag: str) -> None:

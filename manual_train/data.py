@@ -36,7 +36,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, S
 from torch.utils.data import default_collate
 
 from manual_train import plugins, text, tokens
-from manual_train.config import Config, UsageError
+from manual_train.config import Config, UsageError, limited_batches
 from manual_train.models import IGNORE, DataInfo, check_input_fits  # noqa: F401 (DataInfo re-exported)
 
 DIGITS_TRAIN = 1500  # 1797 = 1500 train + 297 val; 1500 divides by 2, 3, 4, 5 and 6 ranks
@@ -296,7 +296,7 @@ def _datasets(cfg: Config) -> tuple[Dataset, Dataset, DataInfo]:
         train, val = load_digits_split()
         return train, val, DataInfo("digits", (1, 8, 8), 10)
     if cfg.dataset == "synthetic":
-        shape = cfg.input_shape()
+        shape = cfg.synthetic_input_shape
         train = SyntheticImages(cfg.synthetic_size, shape, cfg.synthetic_classes, seed=0)
         val = SyntheticImages(max(1, cfg.synthetic_size // 4), shape, cfg.synthetic_classes, seed=1)
         return train, val, DataInfo("synthetic", shape, cfg.synthetic_classes)
@@ -406,12 +406,10 @@ def test_dataset(cfg: Config) -> Dataset:
 def limit_val(val: Dataset, cfg: Config) -> Dataset:
     """--limit-val-batches: the first N batches of --eval-batch-size (or a fraction of them), as one subset, so that
     every loop (and every rank's shard of it) evaluates the same samples and the sums stay exact."""
-    from manual_train.config import limited_batches, parse_limit
-
-    limit = parse_limit(cfg.limit_val_batches, "--limit-val-batches")
-    if limit is None:
+    if cfg.val_limit is None:
         return val
-    batches = limited_batches(limit, micro_batches_per_epoch(len(val), cfg.eval_batch_size), "--limit-val-batches")
+    batches = limited_batches(cfg.val_limit, micro_batches_per_epoch(len(val), cfg.eval_batch_size),
+                              "--limit-val-batches")
     return Subset(val, range(min(len(val), batches * cfg.eval_batch_size)))
 
 
@@ -419,11 +417,9 @@ def limit_train(num_samples: int, cfg: Config, batch_size: int = 0) -> int:
     """--limit-train-batches (--fast-dev-run: 1): the samples of the first N micro-batches of each epoch (this
     rank's, of --batch-size; or all ranks' together, micro-batches of batch_size = N x --batch-size), which the
     loop then counts as its epoch: micro-batches, steps, the last window's weights."""
-    from manual_train.config import limited_batches, parse_limit
-
     batch_size = batch_size or cfg.batch_size
-    limit = parse_limit(cfg.limit_train_batches, "--limit-train-batches")
-    batches = limited_batches(limit, micro_batches_per_epoch(num_samples, batch_size), "--limit-train-batches")
+    batches = limited_batches(cfg.train_limit, micro_batches_per_epoch(num_samples, batch_size),
+                              "--limit-train-batches")
     return min(num_samples, batches * batch_size)
 
 

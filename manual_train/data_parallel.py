@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 import torch
 import torch.nn as nn
 
-from manual_train.config import COMPILE_SCRIPTS, Config, UsageError, arg
+from manual_train.config import COMPILE_SCRIPTS, Config, UsageError, arg, parsed_from
 from manual_train.runtime import cuda_list, parse_devices
 
 
@@ -33,13 +33,17 @@ class DataParallelConfig(Config):
     output_device: Optional[str] = arg(None, "where outputs are gathered and the loss is computed "
                                              "(default: the first of --devices)", metavar="DEVICE")
 
-    def device_list(self) -> list:
+    @parsed_from("devices")
+    def device_list(self) -> list[torch.device]:
+        """--devices (auto: every visible GPU, else cpu,cpu, resolved by validate on this machine)."""
         text = self.devices
         if text == "auto":
             text = cuda_list(torch.cuda.device_count()) if torch.cuda.is_available() else "cpu,cpu"
         return parse_devices(text, "--devices", same_type=True, role="data parallelism")
 
+    @parsed_from("devices", "output_device")
     def gather_device(self) -> torch.device:
+        """--output-device, or the first of --devices."""
         devices = self.device_list()
         if self.output_device is None:
             return devices[0]

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from manual_train.config import COMPILE_SCRIPTS, arg
+from manual_train.config import COMPILE_SCRIPTS, arg, parsed_from
 from manual_train.data_parallel import data_parallel
 from manual_train.distributed import DDPConfig, DistEnv, read_env
 from manual_train.errors import UsageError
@@ -45,34 +45,48 @@ class HybridConfig(DDPConfig):
                     choices=("torch", "explicit"))
 
     def device_groups(self, env: DistEnv) -> tuple:
-        """(group_a, group_b): the encoder's and the decoder's devices; under ddp-mp one each, this rank's pair."""
-        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        """(group_a, group_b): the encoder's and the decoder's devices; under ddp-mp one each, this rank's pair of
+        --devices (the list parsed once; here only the rank's pair is picked)."""
         if self.mode == "dp-mp":
-            text = self.devices
-            if text == "auto":
-                text = cuda_list(n - n % 2) if n >= 2 else "cuda:0,cuda:0" if n == 1 else "cpu,cpu,cpu,cpu"
-            names = parse_devices(text, "--devices", even=True, cuda_repeats=True, role="dp-mp",
-                                  check_machine=False)  # the list first, then each group on this machine
-            half = len(names) // 2
-            return tuple(parse_devices(",".join(map(str, group)), "--devices", same_type=True,
-                                       role="each dp-mp group") for group in (names[:half], names[half:]))
-        text = self.devices
-        if text == "auto":
-            if n == 0:
-                text = "cpu,cpu"
-            elif n < 2 * env.local_world_size:
-                raise UsageError("--devices", f"ddp-mp needs two GPUs per process: {env.local_world_size} local "
-                                              f"rank(s) need {2 * env.local_world_size}, this node has {n}",
-                                 "cpu,cpu, or fewer --nproc_per_node")
-            else:
-                text = cuda_list(2 * env.local_world_size)
-        devices = parse_devices(text, "--devices", role="ddp-mp")
+            return self._dp_mp_groups()
+        devices = self._ddp_mp_devices()
         if all(d.type == "cpu" for d in devices) and len(devices) == 2:
             return [devices[0]], [devices[1]]  # every rank on the one CPU
         if len(devices) != 2 * env.local_world_size:
             raise UsageError("--devices", f"{len(devices)} devices for {env.local_world_size} local rank(s); ddp-mp "
                                           "takes two per local rank", "cpu,cpu, or 2 x --nproc_per_node GPUs")
         return [devices[2 * env.local_rank]], [devices[2 * env.local_rank + 1]]
+
+    @parsed_from("devices")
+    def _dp_mp_groups(self) -> tuple[list, list]:
+        """dp-mp's --devices: its two equal halves (auto, on this machine: every GPU, else cpu,cpu,cpu,cpu)."""
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        text = self.devices
+        if text == "auto":
+            text = cuda_list(n - n % 2) if n >= 2 else "cuda:0,cuda:0" if n == 1 else "cpu,cpu,cpu,cpu"
+        names = parse_devices(text, "--devices", even=True, cuda_repeats=True, role="dp-mp",
+                              check_machine=False)  # the list first, then each group on this machine
+        half = len(names) // 2
+        return tuple(parse_devices(",".join(map(str, group)), "--devices", same_type=True,
+                                   role="each dp-mp group") for group in (names[:half], names[half:]))
+
+    @parsed_from("devices")
+    def _ddp_mp_devices(self) -> list[torch.device]:
+        """ddp-mp's --devices: the local ranks' pairs in turn (auto, on this node: cuda:0 .. cuda:2L-1 for torchrun's
+        L local ranks, else cpu,cpu)."""
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        text = self.devices
+        if text == "auto":
+            local_world_size = read_env().local_world_size
+            if n == 0:
+                text = "cpu,cpu"
+            elif n < 2 * local_world_size:
+                raise UsageError("--devices", f"ddp-mp needs two GPUs per process: {local_world_size} local "
+                                              f"rank(s) need {2 * local_world_size}, this node has {n}",
+                                 "cpu,cpu, or fewer --nproc_per_node")
+            else:
+                text = cuda_list(2 * local_world_size)
+        return parse_devices(text, "--devices", role="ddp-mp")
 
     def rank_device(self, env: DistEnv) -> torch.device:
         """The current device of this rank (the encoder's first; the loop joins the group without binding it)."""

@@ -13,7 +13,7 @@ from typing import Sequence
 import torch
 import torch.nn as nn
 
-from manual_train.config import COMPILE_SCRIPTS, Config, UsageError, arg
+from manual_train.config import COMPILE_SCRIPTS, Config, UsageError, arg, parsed_from
 from manual_train.runtime import parse_devices
 
 
@@ -26,7 +26,9 @@ class ModelParallelConfig(Config):
     microbatches: int = arg(1, "micro-batches per batch, pipelined fill-drain (GPipe); 1 = naive model "
                                "parallelism", min=1)
 
-    def device_list(self) -> list:
+    @parsed_from("devices")
+    def device_list(self) -> list[torch.device]:
+        """--devices as (encoder device, decoder device); auto resolved by validate on this machine."""
         text = self.devices
         if text == "auto":
             n = torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -95,7 +95,7 @@ class Run:
         self.skipped_steps, self.data_wait_s, self.improved = 0, 0.0, False
         self._last_scale = 1.0
         self.stopping, self.stop_reason, self.val_step = False, None, None
-        self.signals, self.signalled, self.preempted = cfg.save_signals(), 0, None  # --save-on-signal
+        self.signals, self.signalled, self.preempted = cfg.preemption_signals, 0, None  # --save-on-signal
         self.keep = not cfg.fast_dev_run  # --fast-dev-run: nothing written
         self.profiler = None
         # --trace-dir (python -m manual_train.parity): the loss and weights after every optimizer step; None: no cost
@@ -146,11 +146,11 @@ class Run:
         self.progress = progress_bar(self.total_steps, step, enabled=self.cfg.progress and env.master_process)
         self.start_step, self.samples_at_start, self.log_samples = step, samples_seen, samples_seen
         if self.cfg.profile:
-            self.profiler = profiling.start(self.cfg.profile_window(), step, self.device, self.out_dir, env, self.log)
+            self.profiler = profiling.start(self.cfg.profile_range, step, self.device, self.out_dir, env, self.log)
         self._catch_signals()
         self.t_start = self.t_log = time.perf_counter()
         self.train_rows: list = []  # (seconds, samples, samples/s) of each train row: summary.json's compile_s
-        self.max_time_s = self.cfg.max_time_s()
+        self.max_time_s = self.cfg.time_limit_s
         if self.trace is not None:
             self.trace.start(step)  # the weights it starts from (initial, or the checkpoint's)
         return start_epoch, start_micro_step, step, samples_seen

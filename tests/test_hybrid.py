@@ -300,9 +300,10 @@ def test_ddp_mp_with_the_samplers_padding_fails_the_same_check(uneven_job, uneve
 
 def test_ddp_mp_each_local_rank_takes_its_own_pair(monkeypatch):
     """Rank r of a node takes entries 2r and 2r+1 of --devices (auto: cuda:2r, cuda:2r+1): 4 ranks on 8 GPUs share
-    none. (This host is told it has 8 GPUs: device_groups only names them.)"""
+    none. (This host is told it has 8 GPUs: device_groups only names them; auto reads torchrun's LOCAL_WORLD_SIZE.)"""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    as_torchrun_rank(monkeypatch, world_size=4)
     for devices in ("auto", cuda_list(8)):
         cfg = hybrid.HybridConfig(mode="ddp-mp", devices=devices)
         pairs = [cfg.device_groups(DistEnv(rank=r, local_rank=r, world_size=4, local_world_size=4, launched=True))
