@@ -36,7 +36,8 @@ from manual_train.models import GPT, GPT_LAYERS, IGNORE, compile_forward
 
 @dataclass
 class PipelineConfig(DDPConfig):
-    """The DDP loop's flags (process group) plus the pipeline's."""
+    """The DDP loop's flags (its process group's: --backend, --dist-timeout-s; DDP's knobs are refused) plus the
+    pipeline's."""
 
     impl: str = arg("explicit", "explicit: GPipe written out with send/recv; torch: torch.distributed.pipelining",
                     choices=("explicit", "torch"))
@@ -52,6 +53,16 @@ class PipelineConfig(DDPConfig):
         return True  # --compile: each Stage after the split (Pipeline), not the whole GPT before it
 
     def validate(self) -> None:
+        # DDP's knobs first: DDPConfig's checks of them would advise on a DistributedDataParallel that is never built
+        if self.sync_bn:
+            raise UsageError("--sync-bn", "the pipeline's GPT has no BatchNorm layers to synchronise", "leave it out")
+        knobs = self.knobs_set() + [flag for flag, value in (("--powersgd-rank", self.powersgd_rank),
+                                                              ("--powersgd-start", self.powersgd_start))
+                                    if value is not None]
+        if knobs:  # as ZeroConfig's: silently ignored, they would promise what this loop never does
+            raise UsageError(knobs[0], "is a knob of the DDP loop's DistributedDataParallel; launch/pipeline.py builds "
+                                       "none (each rank holds other stages: no replica to all-reduce gradients with)",
+                             "launch/ddp.py, or leave it out")
         super().validate()
         world_size = read_env().world_size
         if self.model != "gpt":

@@ -25,8 +25,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import (assert_same_path_bitwise, PARITY_TOL_64, assert_within_fp32_floor, fp32_noise_floor, load_model_state, make_cfg,
-                      max_param_diff, run_script, train_state)
+from conftest import (assert_same_path_bitwise, PARITY_TOL_64, as_torchrun_rank, assert_within_fp32_floor, fp32_noise_floor,
+                      load_model_state, make_cfg, max_param_diff, run_script, train_state)
 from jobs import run_job
 import manual_train.pipeline
 from manual_train.bench import pipeline as bench_pipeline
@@ -178,6 +178,29 @@ def test_bad_input_is_one_line(args, env, expect):
     proc = run_script("pipeline", *args, "--no-progress", env=env)
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert expect in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("knob", [dict(sync_bn=True), dict(bucket_cap_mb=1), dict(gradient_as_bucket_view=True),
+                                  dict(static_graph=True, accumulate=2), dict(find_unused_parameters=True),
+                                  dict(comm_hook="fp16"), dict(powersgd_rank=2)], ids=lambda knob: next(iter(knob)))
+def test_ddp_s_knobs_are_refused_not_ignored(tmp_path, monkeypatch, knob):
+    """PipelineConfig takes launch/ddp.py's flags for its process group (a DDPConfig), but the pipeline builds no
+    DistributedDataParallel: DDP's knobs would be accepted and do nothing. Each is one line naming launch/ddp.py, ahead
+    of DDPConfig's own advice on it (--static-graph with --accumulate, PowerSGD's flags without --comm-hook powersgd);
+    the same command without it is valid."""
+    as_torchrun_rank(monkeypatch, world_size=2)
+    flags = dict(model="gpt", dataset="reverse")
+    make_cfg(tmp_path, pipeline.PipelineConfig, **flags)
+    flag = "--" + next(iter(knob)).replace("_", "-")
+    with pytest.raises(UsageError) as refused:
+        make_cfg(tmp_path, pipeline.PipelineConfig, **flags, **knob)
+    if flag == "--sync-bn":
+        assert str(refused.value) == ("--sync-bn: the pipeline's GPT has no BatchNorm layers to synchronise "
+                                      "(allowed: leave it out)")
+    else:
+        assert str(refused.value).startswith(f"{flag}: is a knob of the DDP loop's DistributedDataParallel; "
+                                             "launch/pipeline.py builds none"), refused.value
+        assert str(refused.value).endswith("(allowed: launch/ddp.py, or leave it out)"), refused.value
 
 
 def test_the_bubble_benchmark_measures_finite_fractions_near_the_formula():
