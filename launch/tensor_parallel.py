@@ -4,7 +4,7 @@ every flag.
     torchrun --nproc_per_node=2 launch/tensor_parallel.py                  # --tp 2: attention and MLP split in two
     torchrun --nproc_per_node=4 launch/tensor_parallel.py --dp 2 --tp 2    # 2-D: FSDP2 over 2 replicas of --tp 2
     torchrun --nproc_per_node=4 launch/tensor_parallel.py --dp 2 --tp 2 --checkpoint-format dcp   # sharded last.dcp/
-    torchrun --nproc_per_node=2 launch/tensor_parallel.py --resume RUN/last.dcp --batch-size 32  # at --tp 2: resharded
+    torchrun --nproc_per_node=2 launch/tensor_parallel.py --resume RUN/last.dcp --batch-size 32  # resharded
 
 --tp ranks split every block's weights (Megatron's column/row split) and compute each batch together; --dp
 replicas (sharded by FSDP2, --stage 2 or 3) train on shares of every batch; --dp x --tp is the world size.

@@ -1,6 +1,6 @@
 """`python -m manual_train.bench`: run the entries of a suite, then write the table, bench.json and chart.
 
-    python -m manual_train.bench --suite cpu --quick              # < 10 min on 2 cores (make bench)
+    python -m manual_train.bench --suite cpu --quick              # make bench (time_to_target alone: minutes)
     python -m manual_train.bench --only data_io,loss_logging      # just these entries
     python -m manual_train.bench --suite gpu --quick --out $OUT   # on a CUDA machine (scripts/gpu_check.sh)
     python -m manual_train.bench --list                           # the entries of both suites

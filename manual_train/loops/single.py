@@ -3,7 +3,7 @@
     python launch/single.py                                 # cnn on digits, >= 0.95 val acc, ~20 s on 2 CPU cores
     python launch/single.py --batch-size 16 --accumulate 4  # the same weights as --batch-size 64
     python launch/single.py --precision bf16-mixed --num-workers 2 --pin-memory
-    python launch/single.py --resume runs/single-<time>/last.pt  # the run's own flags: continues where it stopped
+    python launch/single.py --resume runs/single-<time>/last.pt  # with the run's own flags: continues where it stopped
 
 Reads top to bottom: setup, the loop, teardown. The techniques are the commented lines:
   DataLoader tuning ........ data.build_loader (workers, pinning, prefetch) and .to(non_blocking=True)

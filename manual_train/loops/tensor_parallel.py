@@ -9,9 +9,9 @@ column/row split, torch.distributed.tensor.parallel), and 2-D: FSDP2 over --dp r
     python launch/single.py --model gpt --dataset reverse --optimizer adamw --lr 3e-3 --batch-size 16 --epochs 1
 
 `diff manual_train/loops/zero.py manual_train/loops/tensor_parallel.py` is the lesson; every changed line is marked
-TP. Its parent is the ZeRO loop because 2-D is ZeRO's FSDP2 with TP inside each replica: the data-parallel numbers
-count replicas (dp_coords), not ranks, and parallelize() (manual_train/tensor_parallel.py) replaces shard() with
-zero's interface. What each change does, checkpoints and the bytes per rank: docs/tensor_parallel.md.
+TENSOR_PARALLEL. Its parent is the ZeRO loop because 2-D is ZeRO's FSDP2 with TP inside each replica: the
+data-parallel numbers count replicas (dp_coords), not ranks, and parallelize() (manual_train/tensor_parallel.py)
+replaces shard() with zero's interface. What each change does, checkpoints and the bytes per rank: docs/tensor_parallel.md.
 """
 # <<< TENSOR_PARALLEL
 from __future__ import annotations

@@ -3,8 +3,8 @@
 
     torchrun --nproc_per_node=4 launch/zero.py --stage 2        # 4 CPU ranks (gloo), FSDP2, >= 0.95 val acc on digits
     torchrun --nproc_per_node=2 launch/zero.py --stage 1 --impl fairscale   # fairscale's OSS + DDP
-    torchrun --nproc_per_node=2 launch/zero.py --stage 3 --optimizer adamw --epochs 1 --out-dir Z   # the weights of:
-    torchrun --nproc_per_node=2 launch/ddp.py --optimizer adamw --epochs 1 --out-dir D              #   (1e-6)
+    torchrun --nproc_per_node=2 launch/zero.py --stage 3 --optimizer adamw --lr 3e-3 --epochs 1 --out-dir Z  # equals
+    torchrun --nproc_per_node=2 launch/ddp.py --optimizer adamw --lr 3e-3 --epochs 1 --out-dir D  # to 1e-6
     torchrun --nproc_per_node=8 launch/zero.py --stage 3 --device cuda --precision bf16-mixed --batch-size 32
     python -m manual_train.evaluate --checkpoint Z/last.pt      # a ZeRO checkpoint is a plain one
 
