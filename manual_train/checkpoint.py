@@ -390,7 +390,7 @@ def check_compatible(ckpt: dict, cfg: Config, global_batch_size: int, total_step
     if step == total_steps or ckpt["early_stopping"].get("should_stop"):
         how = "stopped early" if ckpt["early_stopping"].get("should_stop") else f"all {total_steps} steps done"
         raise RunFinished(f"nothing to do: the checkpoint's run is finished ({how}); its outputs are left as they "
-                          "are (raise --epochs or --max-steps to train on, with --schedule constant)")
+                          "are (a --schedule constant run trains on when resumed with more --epochs or --max-steps)")
 
 
 def check_world_size_change(ckpt: dict, cfg: Config, world_size: int, flag: str = "--resume",

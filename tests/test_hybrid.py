@@ -311,7 +311,7 @@ def test_ddp_mp_each_local_rank_takes_its_own_pair(monkeypatch):
         assert pairs == [([torch.device(f"cuda:{2 * r}")], [torch.device(f"cuda:{2 * r + 1}")]) for r in range(4)]
 
 
-def test_defaults_are_mp_py_task_and_budget():
+def test_defaults_are_model_parallel_task_and_budget():
     """launch/hybrid.py trains launch/model_parallel.py's model on its data (hybrid keeps its own copy of the dict)."""
     assert hybrid.DEFAULTS == model_parallel.DEFAULTS
 

@@ -50,8 +50,8 @@ def test_resuming_a_finished_run_says_so_and_touches_nothing(finished, capsys):
     out = capsys.readouterr()
     assert code == 0 and out.err == ""
     assert out.out.strip().splitlines() == ["nothing to do: the checkpoint's run is finished (all 94 steps done); "
-                                            "its outputs are left as they are (raise --epochs or --max-steps to "
-                                            "train on, with --schedule constant)"]
+                                            "its outputs are left as they are (a --schedule constant run trains "
+                                            "on when resumed with more --epochs or --max-steps)"]
     assert snapshot(finished / "cosine") == before
     summary = json.loads((finished / "cosine" / "summary.json").read_text())
     assert summary["final_val_loss"] is not None and summary["wall_s"] > 0.01  # the real results, not a fake
