@@ -129,7 +129,7 @@ class Config:
                        choices=COMPILE)
     # schedule
     epochs: int = arg(10, "total epochs; a resume passes the checkpoint's (another value is refused), except "
-                               "under --schedule constant, where more epochs train on", min=1)
+                          "under --schedule constant, where more epochs train on", min=1)
     max_steps: Optional[int] = arg(None, "stop after this many optimizer steps (overrides --epochs)", min=1)
     batch_size: int = arg(32, "samples per micro-batch, per process", min=1)
     accumulate: int = arg(1, "micro-batches per optimizer step (gradient accumulation)", min=1)

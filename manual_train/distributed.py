@@ -249,11 +249,12 @@ class DDPConfig(Config):
                                               f"first (default {POWERSGD_DEFAULTS['start']}; torch's is 1000)", min=2)
 
     def knobs_set(self) -> list[str]:
-        """The flags of DDP's own knobs that this run sets (refused where no DistributedDataParallel is built from
-        them: launch/zero.py's wrappers, launch/pipeline.py, the hybrid's dp-mp)."""
+        """The flags of DDP's own knobs that this run sets, PowerSGD's parameters last (refused where no
+        DistributedDataParallel is built from them: launch/zero.py's wrappers, launch/pipeline.py, the hybrid's dp-mp)."""
         given = {"--bucket-cap-mb": self.bucket_cap_mb is not None, "--static-graph": self.static_graph,
                  "--gradient-as-bucket-view": self.gradient_as_bucket_view, "--comm-hook": self.comm_hook != "none",
-                 "--find-unused-parameters": self.find_unused_parameters}
+                 "--find-unused-parameters": self.find_unused_parameters,
+                 "--powersgd-rank": self.powersgd_rank is not None, "--powersgd-start": self.powersgd_start is not None}
         return [flag for flag, set_ in given.items() if set_]
 
     def rank_device(self, env: DistEnv) -> torch.device:

@@ -56,9 +56,7 @@ class PipelineConfig(DDPConfig):
         # DDP's knobs first: DDPConfig's checks of them would advise on a DistributedDataParallel that is never built
         if self.sync_bn:
             raise UsageError("--sync-bn", "the pipeline's GPT has no BatchNorm layers to synchronise", "leave it out")
-        knobs = self.knobs_set() + [flag for flag, value in (("--powersgd-rank", self.powersgd_rank),
-                                                              ("--powersgd-start", self.powersgd_start))
-                                    if value is not None]
+        knobs = self.knobs_set()
         if knobs:  # as ZeroConfig's: silently ignored, they would promise what this loop never does
             raise UsageError(knobs[0], "is a knob of the DDP loop's DistributedDataParallel; launch/pipeline.py builds "
                                        "none (each rank holds other stages: no replica to all-reduce gradients with)",
