@@ -3,13 +3,14 @@
 # make bench  the CPU benchmark (quick)
 # make test-isa  the parity tests under each instruction set a user's CPU may have (native, AVX2, the lowest)
 # make stress    the repetition tests (a race under CPU load), not part of `make test`
+# make test-slurm  preemption under a local one-node Slurm (tests/test_slurm.py; needs slurm-wlm and munge, and root)
 # make mutants   every mutant of tests/mutants/ against the tests that must kill it; writes docs/mutants.md and
 #                docs/bug-gallery.md (about 30 minutes on 2 cores)
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 
-.PHONY: demo test test-isa stress mutants bench clean
+.PHONY: demo test test-isa stress mutants bench clean test-slurm
 
 $(VENV)/.installed: setup.cfg setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -58,6 +59,13 @@ test-isa: $(VENV)/.installed
 # every one must exit 0 (the gloo teardown abort of tests/test_teardown.py; a race, so it is repeated).
 stress: $(VENV)/.installed
 	$(PY) -m pytest -q -rA -p no:cacheprovider -m stress
+
+# launch/slurm_train.sbatch as shipped, on a one-node cluster this machine runs for the tests (tests/local_slurm.py):
+# time-limit and preemption notices, notices during set-up and a resume's load, requeues in a row, two agents over
+# c10d; each job ends bit for bit where an uninterrupted run ends. Minutes, so not part of `make test`; without Slurm
+# (or as a non-root user) pytest skips them and says what is missing.
+test-slurm: $(VENV)/.installed
+	RUN_SLURM_TESTS=1 $(PY) -m pytest -q -rs -p no:cacheprovider -m slurm tests/test_slurm.py
 
 mutants: $(VENV)/.installed
 	$(PY) tests/run_mutants.py

@@ -9,7 +9,7 @@ from manual_train.checkpoint import RunFinished
 from manual_train.config import Config, UsageError, parse_config
 from manual_train.errors import Preempted, StorageError
 from manual_train.metrics import discard_unstarted_runs
-from manual_train.run import restore_signal_handlers
+from manual_train.run import catch_notices, check_launcher_forwards, restore_signal_handlers
 from manual_train.runtime import TrainingDiverged
 
 
@@ -32,7 +32,9 @@ def run(train: Callable[[Config], dict], config_cls=Config, *, script: str, doc:
     report = "RANK" not in os.environ or os.environ.get("LOCAL_RANK", "0") == "0"
     try:
         cfg = parse_config(config_cls, argv, prog=f"{script}.py", description=doc, quiet=not report, **defaults)
+        check_launcher_forwards(cfg.preemption_signals)  # in a Slurm step: torchrun must pass the notices on
         try:
+            catch_notices(cfg.preemption_signals)  # from here a notice is kept: one during the set-up stops the run
             train(cfg)
         except BaseException:
             discard_unstarted_runs()  # its folder would only block the next try ("already holds a run")

@@ -58,14 +58,50 @@ from manual_train.parity import RunTrace
 from manual_train.runtime import TrainingDiverged, peak_mem_bytes
 
 LONE = DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, launched=False)
-_saved_handlers: dict = {}  # --save-on-signal: the handlers Run.start replaced, given back by restore_signal_handlers
+_saved_handlers: dict = {}  # --save-on-signal: the handlers replaced, given back by restore_signal_handlers
+_notice = [0]  # the first --save-on-signal signal received since the handlers went in (0: none)
+
+
+def catch_notices(signals) -> None:
+    """--save-on-signal: from now on these signals are recorded, not fatal. cli.run calls it before the loop's set-up,
+    so a notice that lands while the data loads, the process group forms or a checkpoint is read is not lost (a
+    preemption comes at any time): the run trains its first step, every rank stops after it and saves, as for a
+    notice in that step (Run.should_stop). Python delivers signals to the main thread only."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in signals:
+        _saved_handlers.setdefault(sig, signal.getsignal(sig))
+        signal.signal(sig, _record_notice)
+
+
+def check_launcher_forwards(signals) -> None:
+    """Under torchrun in a Slurm job step, every --save-on-signal signal must be one the torchrun agent passes on to
+    its workers (its --signals-to-handle, which it exports as TORCHELASTIC_SIGNALS_TO_HANDLE): Slurm signals the
+    step's tasks, the agents, and an agent that does not handle the signal dies of it, its workers killed with it
+    and nothing saved. One line, exit 2, before anything is written."""
+    forwarded = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE")
+    if forwarded is None or "SLURM_STEP_ID" not in os.environ:
+        return
+    names = {name.strip() for name in forwarded.split(",")}
+    dropped = [sig.name for sig in signals if sig.name not in names]
+    if dropped:
+        raise UsageError("--save-on-signal", f"torchrun passes {forwarded} to its workers, not {','.join(dropped)}: "
+                         f"in this Slurm job a {dropped[0]} notice would end the torchrun agent, and its workers with "
+                         f"it, before they save (torchrun --signals-to-handle {forwarded},{','.join(dropped)}, as "
+                         f"launch/slurm_train.sbatch does; or --save-on-signal without {','.join(dropped)})")
+
+
+def _record_notice(signum, frame) -> None:
+    _notice[0] = _notice[0] or signum  # the first notice counts; another one changes nothing
 
 
 def restore_signal_handlers() -> None:
-    """Give back the signal handlers a run installed (its finish() does; cli.run when a run fails before it)."""
+    """Give back the signal handlers a run installed (its finish() does; cli.run when a run fails before it), and
+    forget its notice."""
     while _saved_handlers:
         sig, handler = _saved_handlers.popitem()
         signal.signal(sig, handler)
+    _notice[0] = 0
 
 
 class Run:
@@ -95,7 +131,7 @@ class Run:
         self.skipped_steps, self.data_wait_s, self.improved = 0, 0.0, False
         self._last_scale = 1.0
         self.stopping, self.stop_reason, self.val_step = False, None, None
-        self.signals, self.signalled, self.preempted = cfg.preemption_signals, 0, None  # --save-on-signal
+        self.signals, self.preempted = cfg.preemption_signals, None  # --save-on-signal
         self.keep = not cfg.fast_dev_run  # --fast-dev-run: nothing written
         self.profiler = None
         # --trace-dir (python -m manual_train.parity): the loss and weights after every optimizer step; None: no cost
@@ -362,12 +398,7 @@ class Run:
             return
         if self.distributed:
             self.signal_group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
-        for sig in self.signals:
-            _saved_handlers.setdefault(sig, signal.getsignal(sig))
-            signal.signal(sig, self._on_signal)
-
-    def _on_signal(self, signum, frame) -> None:
-        self.signalled = self.signalled or signum  # the first notice counts; another one changes nothing
+        catch_notices(self.signals)  # (already caught since cli.run's start, with any notice from the set-up kept)
 
     def should_stop(self, step: int) -> bool:
         """Every step done, early stopping's decision (the same on every rank: it saw all-reduced numbers), or
@@ -384,7 +415,7 @@ class Run:
                 self.stop_reason = f"--max-time {self.cfg.max_time} reached after step {step} ({elapsed[0]:.1f} s)"
                 self.log.print(f"stop: {self.stop_reason}")
         if self.signals and not self.stopping:  # any rank's notice stops every rank after this same step
-            notice = torch.tensor([self.signalled], dtype=torch.int64)
+            notice = torch.tensor([_notice[0]], dtype=torch.int64)
             if self.distributed:  # one 8-byte all-reduce per optimizer step (tens of microseconds on gloo)
                 dist.all_reduce(notice, op=dist.ReduceOp.MAX, group=self.signal_group)
             if notice.item():
