@@ -23,6 +23,7 @@ from typing import Optional
 
 DAEMONS = {"munged": "munge", "slurmctld": "slurm-wlm", "slurmd": "slurm-wlm"}  # program -> Debian package
 CLIENTS = {"sbatch": "slurm-client", "scontrol": "slurm-client", "squeue": "slurm-client", "munge": "munge"}
+CRED_EXPIRE_S = 30
 SBIN = ("/usr/sbin", "/sbin", "/usr/local/sbin")
 
 
@@ -72,7 +73,11 @@ class LocalSlurm:
         lines = [
             "ClusterName=localtest", f"SlurmctldHost={self.host}(127.0.0.1)",
             f"SlurmctldPort={_free_port()}", f"SlurmdPort={_free_port()}",
-            "AuthType=auth/munge", "CredType=cred/munge", f"AuthInfo=socket={self.socket}",
+            "AuthType=auth/munge", "CredType=cred/munge",
+            # cred_expire: how long a job credential lives, and so how long a requeued job waits before it may
+            # start again (its begin time; Slurm's default 120 s). Shorter here to keep the tests short; long enough
+            # for a step to start on a loaded machine.
+            f"AuthInfo=socket={self.socket},cred_expire={CRED_EXPIRE_S}",
             "SlurmUser=root", "SlurmdUser=root",
             "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none", "MpiDefault=none",
             "SelectType=select/cons_tres", "SelectTypeParameters=CR_Core",

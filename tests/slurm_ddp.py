@@ -7,8 +7,12 @@ On an attempt with an entry, global rank 0 asks Slurm to signal the batch shell 
 what `--signal=B:USR1@90` does at the time limit), which passes the notice down to the workers
 (launch/slurm_train.sbatch), and every rank waits until it arrives: `start` before torch is even imported (no handler
 yet: the processes die of it and save nothing, as a notice during their imports would), `setup` while the model is
-built (after cli.run began catching notices), `load` while a resumed run loads its checkpoint. Everything else is
-launch/ddp.py.
+built (after cli.run began catching notices), `load` while a resumed run loads its checkpoint.
+
+    SLURM_STEP_SLEEP_S=1   on the first attempt, every optimizer step also sleeps this long (the numbers do not
+                           change): a run that is still training when the time limit's notice comes
+
+Everything else is launch/ddp.py.
 """
 import os
 import subprocess
@@ -58,6 +62,15 @@ def during(fn):
     return wrapped
 
 
+if os.environ.get("SLURM_STEP_SLEEP_S") and ATTEMPT == 1:
+    real_loss_fn, sleep_s = ddp.loss_fn, float(os.environ["SLURM_STEP_SLEEP_S"])
+
+    def slow_loss_fn(logits, y, **kw):
+        if not kw:  # training's calls (evaluation's pass reduction="sum")
+            time.sleep(sleep_s)
+        return real_loss_fn(logits, y, **kw)
+
+    ddp.loss_fn = slow_loss_fn
 if WHEN == "setup":
     ddp.build_model_from = during(ddp.build_model_from)
 if WHEN == "load":
