@@ -34,8 +34,11 @@ pytestmark = [pytest.mark.slurm, pytest.mark.skipif(missing() is not None, reaso
                                  reason="the Slurm tests take minutes: `make test-slurm` runs them (RUN_SLURM_TESTS=1)")]
 
 SBATCH = REPO / "launch" / "slurm_train.sbatch"
-# 6 epochs of the mlp on digits at 2 ranks x batch 32: 24 optimizer steps an epoch, 144 in all
-RUN = ["--model", "mlp", "--epochs", "6", "--batch-size", "32", "--log-every", "4", "--no-progress", "--device", "cpu"]
+# 6 epochs of the mlp on digits at 2 ranks x batch 32: 24 optimizer steps an epoch, 144 in all. A train row every
+# step: a row's loss is the mean over the steps since the run's previous row, so with --log-every N the first row after
+# a resume from a step between two log steps averages fewer steps than the uninterrupted run's (the weights do not
+# differ); one step a row makes every row comparable.
+RUN = ["--model", "mlp", "--epochs", "6", "--batch-size", "32", "--log-every", "1", "--no-progress", "--device", "cpu"]
 TOTAL_STEPS = 144
 JOB_TIMEOUT_S = 900  # a hung job fails the test; the jobs take 20-120 s on 2 loaded cores
 
@@ -65,6 +68,7 @@ class Job:
 
     def __init__(self, slurm: LocalSlurm, tmp_path: Path, *sbatch: str, args=(), env=None, script=SBATCH):
         self.slurm, self.out, self.log = slurm, tmp_path / "run", tmp_path / "job.out"
+        tmp_path.mkdir(parents=True, exist_ok=True)
         job_env = {**slurm.env, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "PYTHONPATH": str(REPO),
                    "OMP_NUM_THREADS": "1", "NPROC": "2", "OUT": str(self.out), "RDZV_PORT": str(_free_port()),
                    "SCRIPT": "tests/slurm_ddp.py", **(env or {})}
@@ -172,7 +176,7 @@ def test_b_a_preemption_mid_epoch_saves_and_resumes_bitwise(slurm, reference, tm
     requeues it itself (the batch shell ends with the workers); `scancel --signal=TERM`: the step's torchrun agent gets
     SIGTERM, the workers save and exit 75, and the batch script requeues the job."""
     job = Job(slurm, tmp_path)
-    job.wait_until(lambda: job.train_rows() >= 3, "third train row")  # step 12 logged: mid-epoch, in epoch 1
+    job.wait_until(lambda: job.train_rows() >= 12, "step 12's train row")  # mid-epoch, in epoch 1
     cmd = ["scontrol", "requeue", job.id] if how == "scontrol requeue" else ["scancel", "--signal=TERM", job.id]
     assert subprocess.run(cmd, env=slurm.env, capture_output=True, timeout=60).returncode == 0
     if how == "scontrol requeue":  # the batch script is ended with the job: no verdict line from this attempt
@@ -208,7 +212,7 @@ def test_e_two_agents_over_c10d_signalled_requeued_and_equal(slurm, reference, t
     SLURM_NTASKS). The time-limit notice's path by hand (scancel --batch --signal=USR1) mid-epoch: the shell passes it
     to srun, srun to both agents, each to its worker; both stop after the same step, save, requeue, resume, equal."""
     job = Job(slurm, tmp_path, "--ntasks=2", "--ntasks-per-node=2", env={"NPROC": "1"})
-    job.wait_until(lambda: job.train_rows() >= 3, "third train row")
+    job.wait_until(lambda: job.train_rows() >= 12, "step 12's train row")
     assert subprocess.run(["scancel", "--batch", "--signal=USR1", job.id], env=slurm.env,
                           capture_output=True, timeout=60).returncode == 0
     attempts = check_ended_as_uninterrupted(job, reference, min_attempts=2)
@@ -221,7 +225,7 @@ def test_bad_setups_are_one_line(slurm, tmp_path):
     stopped before they saved anything; here their notices come while the workers import torch): one line each, the
     job FAILED, not requeued again."""
     no_requeue = tmp_path / "no_requeue.sbatch"
-    no_requeue.write_text(SBATCH.read_text().replace(" --requeue", ""))
+    no_requeue.write_text(SBATCH.read_text().replace("#SBATCH --requeue ", "#SBATCH "))
     job = Job(slurm, tmp_path / "a", args=(), script=no_requeue)
     assert job.finish() == "FAILED"
     errors = [line for line in job.text().splitlines() if line.startswith("error:")]
