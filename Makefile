@@ -3,13 +3,14 @@
 # make bench  the CPU benchmark (quick)
 # make test-isa  the parity tests under each instruction set a user's CPU may have (native, AVX2, the lowest)
 # make stress    the repetition tests (a race under CPU load), not part of `make test`
+# make site     the lessons as a static site in site-out/ (open site-out/index.html; no server needed)
 # make mutants   every mutant of tests/mutants/ against the tests that must kill it; writes docs/mutants.md and
 #                docs/bug-gallery.md (about 30 minutes on 2 cores)
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 
-.PHONY: demo test test-isa stress mutants bench clean
+.PHONY: demo test test-isa stress mutants bench site clean
 
 $(VENV)/.installed: setup.cfg setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -62,8 +63,18 @@ stress: $(VENV)/.installed
 mutants: $(VENV)/.installed
 	$(PY) tests/run_mutants.py
 
+# The site needs no torch: the package without its dependencies, and the site extra's three (setup.cfg's `site`).
+$(VENV)/.installed-site: setup.cfg setup.py
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --no-deps -e .
+	$(PY) -m pip install --quiet 'jinja2>=3.1' 'pygments>=2.15' 'markdown>=3.5'
+	touch $@
+
+site: $(VENV)/.installed-site
+	$(PY) -m manual_train.docs --html site-out
+
 bench: $(VENV)/.installed
 	$(PY) -m manual_train.bench --suite cpu --quick
 
 clean:
-	rm -rf $(VENV) runs gpu-check-out bench-out .pytest_cache
+	rm -rf $(VENV) runs gpu-check-out bench-out site-out .pytest_cache
