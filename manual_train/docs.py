@@ -349,9 +349,10 @@ def main(argv=None) -> int:
     if args.check:
         from manual_train import site
 
-        found = problems() + site.site_problems()
+        files = site.render_site()
+        found = problems() + site.site_problems(files=files)
         if args.html is not None:
-            found += site.stale_files(args.html) if (args.html / "index.html").exists() else \
+            found += site.stale_files(args.html, files=files) if (args.html / "index.html").exists() else \
                 [f"{args.html}: no site built there: run python -m manual_train.docs --html {args.html}"]
         print("\n".join(found) if found else "docs/diffs and the site are up to date and every loop change is marked")
         return 1 if found else 0

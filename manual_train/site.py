@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ast
 import difflib
+import functools
 import html
 import importlib
 import re
@@ -62,7 +63,6 @@ class TestRef:
     file: str
     name: str
     doc: str  # its docstring: what it compares
-    source: str
     line: int
     claims: list = field(default_factory=list)  # the docs' "which test proves what" rows naming it
     kills: list = field(default_factory=list)  # (mutant name, distance) from docs/mutants.md
@@ -76,15 +76,12 @@ def read_tests(root: Path) -> dict[str, TestRef]:
     """Every test function of tests/test_*.py, by node id (module-level and class methods)."""
     found = {}
     for path in sorted((root / "tests").glob("test_*.py")):
-        text = path.read_text()
-        lines = text.splitlines()
-        for node in ast.walk(ast.parse(text)):
+        for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.FunctionDef) and node.name.startswith("test"):
                 rel = f"tests/{path.name}"
-                start = min([d.lineno for d in node.decorator_list] + [node.lineno])
                 found[f"{rel}::{node.name}"] = TestRef(
                     f"{rel}::{node.name}", rel, node.name, " ".join((ast.get_docstring(node) or "").split()),
-                    "\n".join(lines[start - 1:node.end_lineno]), node.lineno)
+                    node.lineno)
     return found
 
 
@@ -243,12 +240,17 @@ def best_unit(code: list[str], units: list[tuple[str, str]]) -> tuple[str, str] 
 # ---------------------------------------------------------------------- the lesson pages
 def highlighted_lines(lines: list[str]) -> list[str]:
     """Pygments' HTML for each line of a Python file (its spans close at every line end)."""
+    return list(_highlighted("\n".join(lines) + "\n"))[:len(lines)]
+
+
+@functools.lru_cache(maxsize=32)
+def _highlighted(text: str) -> tuple[str, ...]:  # the base loops are every lesson's left side: lexed once
     from pygments import highlight
     from pygments.formatters import HtmlFormatter
     from pygments.lexers import PythonLexer
 
-    out = highlight("\n".join(lines) + "\n", PythonLexer(), HtmlFormatter(nowrap=True)).split("\n")
-    return out[:len(lines)] + [""] * (len(lines) - len(out))
+    out = highlight(text, PythonLexer(), HtmlFormatter(nowrap=True)).split("\n")
+    return tuple(out) + ("",) * max(0, text.count("\n") - len(out))
 
 
 def hunk_rows(group, base_hl, derived_hl):
@@ -257,17 +259,17 @@ def hunk_rows(group, base_hl, derived_hl):
     for op, i1, i2, j1, j2 in group:
         if op == "equal":
             for i, j in zip(range(i1, i2), range(j1, j2)):
-                side.append((i + 1, base_hl[i], j + 1, derived_hl[j], "eq"))
-                unified.append((i + 1, j + 1, " ", derived_hl[j], "eq"))
+                side.append((i + 1, base_hl[i], j + 1, derived_hl[j], "same"))
+                unified.append((i + 1, j + 1, " ", derived_hl[j], "same"))
             continue
         left, right = list(range(i1, i2)), list(range(j1, j2))
         for k in range(max(len(left), len(right))):
             i = left[k] if k < len(left) else None
             j = right[k] if k < len(right) else None
             side.append((i + 1 if i is not None else "", base_hl[i] if i is not None else "",
-                         j + 1 if j is not None else "", derived_hl[j] if j is not None else "", "ch"))
-        unified += [(i + 1, "", "-", base_hl[i], "del") for i in left]
-        unified += [("", j + 1, "+", derived_hl[j], "add") for j in right]
+                         j + 1 if j is not None else "", derived_hl[j] if j is not None else "", "changed"))
+        unified += [(i + 1, "", "-", base_hl[i], "minus") for i in left]
+        unified += [("", j + 1, "+", derived_hl[j], "plus") for j in right]
     return side, unified
 
 
@@ -396,17 +398,8 @@ def render_site(root: Path = REPO) -> dict[str, str]:
     used = sorted({n for n, t in ctx["tests"].items() if t.claims or t.kills})
     files["tests.html"] = env.get_template("tests.html").render(
         root="", title="The tests that prove the lessons", source="tests/",
-        tests=[ctx["tests"][n] for n in used], highlight=_python_block, **common)
+        tests=[ctx["tests"][n] for n in used], **common)
     return files
-
-
-def _python_block(source: str):
-    from markupsafe import Markup
-    from pygments import highlight
-    from pygments.formatters import HtmlFormatter
-    from pygments.lexers import PythonLexer
-
-    return Markup(highlight(source, PythonLexer(), HtmlFormatter(cssclass="hl")))
 
 
 def build(out: Path, root: Path = REPO) -> dict[str, str]:
@@ -503,9 +496,9 @@ def site_problems(root: Path = REPO, files: dict[str, str] | None = None) -> lis
     return found
 
 
-def stale_files(out: Path, root: Path = REPO) -> list[str]:
+def stale_files(out: Path, root: Path = REPO, files: dict[str, str] | None = None) -> list[str]:
     """The files of a built site in `out` that differ from what the tree renders now, or are missing."""
-    files = render_site(root)
+    files = render_site(root) if files is None else files
     found = [f"{out / rel}: out of date" for rel, text in files.items()
              if not (out / rel).exists() or (out / rel).read_text() != text]
     built = {p.relative_to(out).as_posix() for p in out.rglob("*.html")}
