@@ -380,6 +380,9 @@ def render_site(root: Path = REPO) -> dict[str, str]:
                              trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined)
     ctx = context(root)
     loops = existing_loops(root)
+    index = (root / "docs" / "index.md").read_text() if (root / "docs" / "index.md").exists() else ""
+    order = {name: i for i, name in enumerate(re.findall(r"diffs/(\w+)\.md", index)[::-1])}  # the first mention wins
+    loops.sort(key=lambda loop: -order.get(loop.name, -len(loops) - 1))  # docs/index.md's reading order
     nav = [dict(title=loop.title, href=f"diffs/{loop.name}.html") for loop in loops]
     files = {"static/site.css": (TEMPLATES / "site.css").read_text(),
              "static/pygments.css": HtmlFormatter(style="friendly").get_style_defs(".hl")}

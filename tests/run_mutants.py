@@ -297,7 +297,7 @@ def splice_gallery(text: str, entries: dict[str, list[str]]) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    parser.add_argument("--only", default="", help="run the mutants whose name starts with this (nothing written)")
+    parser.add_argument("--only", default="", help="run the mutants whose name starts with this (or with one of a comma-separated list; nothing written)")
     parser.add_argument("--no-gallery", action="store_true", help="skip the gallery runs (nothing written)")
     parser.add_argument("--gallery-only", action="store_true", help="rerun the gallery's demos of the selected mutants "
                         "alone and replace their entries in docs/bug-gallery.md (kills as docs/mutants.md has them)")
@@ -307,7 +307,7 @@ def main(argv=None) -> int:
     if len(set(names)) != len(names):
         print(f"error: duplicate mutant names: {sorted({n for n in names if names.count(n) > 1})}", file=sys.stderr)
         return 2
-    selected = [m for m in mutants if m.name.startswith(args.only)]
+    selected = [m for m in mutants if any(m.name.startswith(p) for p in args.only.split(","))]
     if not selected:
         print(f"error: --only {args.only!r} matches no mutant", file=sys.stderr)
         return 2
