@@ -63,15 +63,14 @@ stress: $(VENV)/.installed
 mutants: $(VENV)/.installed
 	$(PY) tests/run_mutants.py
 
-# The site needs no torch: the package without its dependencies, and the site extra's three (setup.cfg's `site`).
+# The site needs no torch and no install of the package (it runs from the tree): setup.cfg's `site` extra alone.
 $(VENV)/.installed-site: setup.cfg setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --no-deps -e .
 	$(PY) -m pip install --quiet 'jinja2>=3.1' 'pygments>=2.15' 'markdown>=3.5'
 	touch $@
 
 site: $(VENV)/.installed-site
-	$(PY) -m manual_train.docs --html site-out
+	PYTHONPATH=. $(PY) -m manual_train.docs --html site-out
 
 bench: $(VENV)/.installed
 	$(PY) -m manual_train.bench --suite cpu --quick
