@@ -33,7 +33,7 @@ from mutants import TECHNIQUES, Mutant, catalogue  # noqa: E402
 
 COPIED = ("manual_train", "launch", "tests", "setup.cfg", "setup.py")
 KILL_TIMEOUT_S = 600  # a kill run is a few tests; a mutant that hangs is killed by the tests' own timeouts first
-DEMO_TIMEOUT_S = 300
+DEMO_TIMEOUT_S = 1200  # a demo trains until its task is learned: minutes on 2 loaded cores
 DISTANCE = re.compile(r"max abs diff ([0-9.eE+-]+|inf|nan)")
 
 
