@@ -359,6 +359,9 @@ def main(argv=None) -> int:
     if args.html is not None:
         from manual_train import site
 
+        if site.refusal(args.html):  # a folder of the user's own is never replaced by the site
+            print(f"error: --html: {site.refusal(args.html)}", file=sys.stderr)
+            return 2
         files = site.build(args.html)
         print(f"wrote {len(files)} files to {args.html} (open {args.html / 'index.html'})")
         for line in problems() + site.site_problems(files=files):

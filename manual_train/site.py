@@ -405,12 +405,21 @@ def render_site(root: Path = REPO) -> dict[str, str]:
     return files
 
 
+def refusal(out: Path) -> str:
+    """Why `out` may not take the site ("" when it may): a file, or a folder with other things than a site."""
+    if out.exists() and not out.is_dir():
+        return f"{out} is a file (allowed: a new folder or one that holds a site)"
+    if out.is_dir() and not (out / "index.html").exists() and any(out.iterdir()):
+        return f"{out} is not empty and holds no site (allowed: a new folder or one that holds a site)"
+    return ""
+
+
 def build(out: Path, root: Path = REPO) -> dict[str, str]:
     """Write the site to `out` (replacing a site there); returns its files as render_site() gave them."""
     files = render_site(root)
     if out.exists():
-        if not (out / "index.html").exists() and any(out.iterdir()):
-            raise SystemExit(f"error: --html: {out} is not empty and holds no site (allowed: a new or a site folder)")
+        if refusal(out):
+            raise ValueError(refusal(out))
         shutil.rmtree(out)
     for rel, text in files.items():
         path = out / rel

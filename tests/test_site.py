@@ -179,6 +179,16 @@ def test_a_changed_loop_makes_its_built_lesson_stale(built, tmp_path):
     assert "the device comes from torchrun" in site.render_site(root)["diffs/ddp.html"]
 
 
+def test_a_folder_that_holds_no_site_is_refused_and_left_alone(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    proc = subprocess.run([sys.executable, "-m", "manual_train.docs", "--html", str(tmp_path)], cwd=REPO,
+                          capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [f"error: --html: {tmp_path} is not empty and holds no site (allowed: "
+                                                f"a new folder or one that holds a site)"]
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
+
+
 def test_broken_links_and_anchors_are_named():
     from manual_train.site import broken_links
 
