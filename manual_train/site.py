@@ -225,14 +225,16 @@ COMMON = {"self", "with", "return", "else", "none", "true", "false", "from", "im
           "for", "if", "in", "is", "or", "def", "torch", "manual_train", "the"}
 
 
-def best_unit(code: list[str], units: list[tuple[str, str]]) -> tuple[str, str] | None:
-    """The docs unit that names most of the hunk's identifiers (rarer ones count more); None when none names any."""
+def best_unit(code: list[str], units: list[tuple[str, str]], why: list[str] = ()) -> tuple[str, str] | None:
+    """The docs unit that names most of the hunk's identifiers and the words of its marker notes (rarer ones count
+    more, a long unit does not win by length alone); None when none names any."""
     words = {w for line in code for w in IDENT.findall(line.split("#", 1)[0])
              if len(w) > 3 and w.lower() not in COMMON}
+    words |= {w for note in why for w in re.findall(r"[A-Za-z_][\w.]+", note) if len(w) > 4 and w.lower() not in COMMON}
     if not words:
         return None
     df = {w: sum(w in u for _, u in units) or 1 for w in words}
-    scored = [(sum(1 / df[w] for w in words if w in u), i) for i, (_, u) in enumerate(units)]
+    scored = [(sum(1 / df[w] for w in words if w in u) / (1 + len(u) / 800), i) for i, (_, u) in enumerate(units)]
     score, i = max(scored, default=(0, 0))
     return units[i] if score > 0 else None
 
@@ -294,7 +296,7 @@ def lesson(loop: Loop, root: Path, ctx: dict) -> dict:
         for op, i1, i2, j1, j2 in group:
             if op in ("replace", "insert"):
                 why += reasons(derived, range(j1, j2), loop.tag)
-        unit = best_unit([derived[j] for j in changed], units)
+        unit = best_unit([derived[j] for j in changed], units, why)
         mutants = [m for m in here if placed[m.name] and set(placed[m.name]) & set(range(j_first, j_last))]
         used |= {m.name for m in mutants}
         side, unified = hunk_rows(group, base_hl, derived_hl)
