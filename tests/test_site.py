@@ -141,6 +141,11 @@ def test_the_ddp_lesson_reads_at_desktop_and_phone_widths(built, browser):
         assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
         (SCREENSHOTS / f"ddp-{label}.png").write_bytes(png)
     print(f"screenshots: {SCREENSHOTS}")
+    # at the phone width (the last one set) no page is wider than the screen: code scrolls inside its own box
+    for path in sorted(built.rglob("*.html")):
+        browser.navigate(path.as_uri())
+        wide = browser.evaluate("document.documentElement.scrollWidth - innerWidth")
+        assert wide <= 1, f"{path.relative_to(built)} is {wide} px wider than a 390 px screen"
 
 
 # ---------------------------------------------------------------------- without a browser
