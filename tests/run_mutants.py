@@ -241,8 +241,8 @@ def gallery_entry(m: Mutant, o: Outcome, run: dict | None, when: str = "") -> li
                   + (f" (measured {when})" if when else "") + ".", ""]
         if invisible(correct, mutant):
             lines += ["At this size the bug changes nothing a user sees: the same accuracy, the loss within 1%. "
-                      "The parity test sees it" + (f": max abs diff {o.distance} where 64-true allows 1e-9."
-                                                   if o.distance else f" ({o.test or o.status})."), ""]
+                      + (f"The parity test sees it: max abs diff {o.distance} where 64-true allows 1e-9."
+                         if o.distance else "Only its test, below, sees it."), ""]
     lines += [f"Caught by {caught}.", ""]
     return lines
 
