@@ -4,13 +4,14 @@
 # make test-isa  the parity tests under each instruction set a user's CPU may have (native, AVX2, the lowest)
 # make stress    the repetition tests (a race under CPU load), not part of `make test`
 # make test-slurm  preemption under a local one-node Slurm (tests/test_slurm.py; needs slurm-wlm and munge, and root)
+# make site     the lessons as a static site in site-out/ (open site-out/index.html; no server needed)
 # make mutants   every mutant of tests/mutants/ against the tests that must kill it; writes docs/mutants.md and
 #                docs/bug-gallery.md (about 30 minutes on 2 cores)
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 
-.PHONY: demo test test-isa stress mutants bench clean test-slurm
+.PHONY: demo test test-isa stress mutants bench site clean test-slurm
 
 $(VENV)/.installed: setup.cfg setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -70,8 +71,17 @@ test-slurm: $(VENV)/.installed
 mutants: $(VENV)/.installed
 	$(PY) tests/run_mutants.py
 
+# The site needs no torch and no install of the package (it runs from the tree): setup.cfg's `site` extra alone.
+$(VENV)/.installed-site: setup.cfg setup.py
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet 'jinja2>=3.1' 'pygments>=2.15' 'markdown>=3.5'
+	touch $@
+
+site: $(VENV)/.installed-site
+	PYTHONPATH=. $(PY) -m manual_train.docs --html site-out
+
 bench: $(VENV)/.installed
 	$(PY) -m manual_train.bench --suite cpu --quick
 
 clean:
-	rm -rf $(VENV) runs gpu-check-out bench-out .pytest_cache
+	rm -rf $(VENV) runs gpu-check-out bench-out site-out .pytest_cache

@@ -18,6 +18,8 @@ measurements and command lists belong on the technique's docs page).
     python -m manual_train.docs           # rewrite docs/diffs/*.md
     python -m manual_train.docs --check   # exit 1 listing stale pages and unmarked lines
     python -m manual_train.docs --stats   # the lesson budget: each loop's diff size, file and function lengths
+    python -m manual_train.docs --html site-out            # the lessons as a static site (manual_train/site.py)
+    python -m manual_train.docs --check --html site-out    # ... and exit 1 when that built site is stale
 
 A lesson is small (docs/CONTRIBUTING-loops.md): --stats counts code lines (no blank lines, comments or
 docstrings) and compares them with BUDGET; tests/test_docs.py holds the tree to it.
@@ -338,14 +340,33 @@ def main(argv=None) -> int:
     parser.add_argument("--check", action="store_true", help="only check; exit 1 on stale pages, unmarked lines, "
                         "comment blocks over 3 lines in marked hunks or loop docstrings over 15 lines")
     parser.add_argument("--stats", action="store_true", help="print the lesson budget table (diff sizes, lengths)")
+    parser.add_argument("--html", metavar="OUT", type=Path, help="write the lessons as a static site to OUT (opens "
+                        "offline: OUT/index.html); with --check, exit 1 when the site built in OUT is stale")
     args = parser.parse_args(argv)
     if args.stats:
         print(stats_table())
         return 0
     if args.check:
-        found = problems()
-        print("\n".join(found) if found else "docs/diffs is up to date and every loop change is marked")
+        from manual_train import site
+
+        files = site.render_site()
+        found = problems() + site.site_problems(files=files)
+        if args.html is not None:
+            found += site.stale_files(args.html, files=files) if (args.html / "index.html").exists() else \
+                [f"{args.html}: no site built there: run python -m manual_train.docs --html {args.html}"]
+        print("\n".join(found) if found else "docs/diffs and the site are up to date and every loop change is marked")
         return 1 if found else 0
+    if args.html is not None:
+        from manual_train import site
+
+        if site.refusal(args.html):  # a folder of the user's own is never replaced by the site
+            print(f"error: --html: {site.refusal(args.html)}", file=sys.stderr)
+            return 2
+        files = site.build(args.html)
+        print(f"wrote {len(files)} files to {args.html} (open {args.html / 'index.html'})")
+        for line in problems() + site.site_problems(files=files):
+            print(f"warning: {line}", file=sys.stderr)
+        return 0
     for loop in existing_loops():
         page = page_path(loop)
         page.parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,219 @@
+"""The lessons as a static site (python -m manual_train.docs --html OUT, manual_train/site.py), opened in a real
+browser: headless Chromium (Debian's `chromium`; .ci/run installs it) loads every page from file:// and reports its
+console errors, every internal link and anchor is followed, the lessons' test and mutant links name tests and
+mutants that exist, and the DDP lesson is photographed at a desktop and a phone width (SCREENSHOTS below).
+Without Chromium the browser tests skip and say so; the staleness check and the hunk placement run anyway.
+"""
+from __future__ import annotations
+
+import ast
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+import pytest
+
+from chromium import Browser, chromium_binary
+from mutants import catalogue
+
+REPO = Path(__file__).resolve().parents[1]
+SCREENSHOTS = REPO / "runs" / "site-screenshots"  # the DDP lesson at desktop and phone widths, for a person to look at
+CHROMIUM = chromium_binary()
+needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (apt-get install chromium; "
+                                    ".ci/run installs it)")
+LESSON_LOOPS = {"data_parallel", "model_parallel", "hybrid", "ddp", "apex_o2", "pipeline", "zero", "tensor_parallel"}
+TECHNIQUE_LOOP = {"dataparallel": "data_parallel", "model-parallel": "model_parallel", "hybrid": "hybrid",
+                  "ddp": "ddp", "zero": "zero", "pipeline": "pipeline", "tensor-parallel": "tensor_parallel"}
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """The site, built once by the command a user runs."""
+    out = tmp_path_factory.mktemp("site") / "site-out"
+    proc = subprocess.run([sys.executable, "-m", "manual_train.docs", "--html", str(out)], cwd=REPO,
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "warning" not in proc.stderr, proc.stderr  # a broken link or a vanished test is printed as a warning
+    return out
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if CHROMIUM is None:
+        pytest.skip("chromium is not installed")
+    b = Browser(CHROMIUM)
+    yield b
+    b.close()
+
+
+def functions_in(file: str) -> set[str]:
+    tree = ast.parse((REPO / file).read_text())
+    return {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
+
+
+# ---------------------------------------------------------------------- in the browser
+@needs_chromium
+def test_every_page_loads_without_console_errors_and_every_internal_link_resolves(built, browser):
+    pages = sorted(built.rglob("*.html"))
+    assert len(pages) >= 40, [p.name for p in pages]  # docs/*.md, 8 lessons, the tests page
+    ids, links, errors = {}, [], []
+    for page in pages:
+        browser.navigate(page.as_uri())
+        errors += [f"{page.relative_to(built)}: {e}" for e in browser.errors]
+        # the stylesheet was applied (a missing one is a console error too, but say what it costs)
+        assert browser.evaluate("getComputedStyle(document.querySelector('header.top')).display") == "flex", page
+        ids[page] = set(browser.evaluate("[...document.querySelectorAll('[id]')].map(e => e.id)"))
+        links += [(page, href) for href in browser.evaluate(
+            "[...document.querySelectorAll('a[href], link[href], img[src]')].map(e => e.href || e.src)")]
+    assert errors == []
+    internal = [(page, href) for page, href in links if href.startswith("file://")]
+    assert len(internal) > 1000, len(internal)  # every page's navigation alone links 12 pages
+    broken = []
+    for page, href in internal:
+        parts = urlsplit(href)
+        target = Path(unquote(parts.path))
+        if not target.is_file():
+            broken.append(f"{page.relative_to(built)} -> {href}: no such file")
+        elif parts.fragment and unquote(parts.fragment) not in ids.get(target, set()):
+            broken.append(f"{page.relative_to(built)} -> {href}: no such anchor")
+    assert broken == []
+
+
+@needs_chromium
+def test_each_hunks_test_and_mutant_links_name_tests_and_mutants_that_exist(built, browser):
+    mutants = {m.name: m for m in catalogue()}
+    placed = 0
+    for loop in sorted(LESSON_LOOPS):
+        browser.navigate((built / "diffs" / f"{loop}.html").as_uri())
+        hunks = browser.evaluate("document.querySelectorAll('section.hunk').length")
+        assert hunks >= 5, (loop, hunks)
+        tests = browser.evaluate("[...document.querySelectorAll('section.hunk a.test-link')].map(a => a.href)")
+        shown = browser.evaluate("[...document.querySelectorAll('a.mutant-link')].map(a => a.href)")
+        for href in tests:
+            node = unquote(urlsplit(href).fragment)
+            file, name = node.split("::")
+            assert name in functions_in(file), f"{loop}: {node} is not a test"
+        names = [unquote(urlsplit(href).fragment) for href in shown]
+        assert set(names) <= set(mutants), f"{loop}: {set(names) - set(mutants)} are not in the catalogue"
+        # every mutant of this loop's file or of its technique is on its page, each once
+        expected = {m.name for m in mutants.values()
+                    if m.file == f"manual_train/loops/{loop}.py" or TECHNIQUE_LOOP.get(m.technique) == loop}
+        assert sorted(names) == sorted(expected), loop
+        # a hunk with a mutant names the test that kills it
+        in_hunks = [unquote(urlsplit(href).fragment) for href in browser.evaluate(
+            "[...document.querySelectorAll('section.hunk a.mutant-link')].map(a => a.href)")]
+        placed += len(in_hunks)
+        for name in in_hunks:
+            assert mutants[name].file == f"manual_train/loops/{loop}.py", name
+            kill = mutants[name].kill[0].split("[")[0]
+            assert browser.evaluate(
+                f"[...document.querySelectorAll('section.hunk')].some(s => s.querySelector("
+                f"'a.mutant-link[href$=\"#{name}\"]') && s.textContent.includes({kill.split('::')[1]!r}))"), \
+                f"{loop}: {name}'s hunk does not show {kill}"
+    assert placed >= 10, placed  # the loops' own mutants (apex_o2, data_parallel, hybrid, ddp, ...) sit in hunks
+
+
+@needs_chromium
+def test_the_ddp_lesson_reads_at_desktop_and_phone_widths(built, browser):
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    page = (built / "diffs" / "ddp.html").as_uri()
+    layout = ("(() => { const h = document.getElementById('hunk-2'); h.scrollIntoView();"
+              " const r = e => h.querySelector(e).getBoundingClientRect();"
+              " const vis = e => getComputedStyle(h.querySelector(e)).display !== 'none';"
+              " return {note: r('.note').toJSON(), code: r('.code').toJSON(), side: vis('table.side'),"
+              " unified: vis('table.unified'), scroll: document.documentElement.scrollWidth, width: innerWidth}; })()")
+    for label, width, height, mobile in (("desktop", 1366, 900, False), ("phone", 390, 844, True)):
+        browser.viewport(width, height, mobile)
+        browser.navigate(page)
+        assert browser.errors == []
+        got = browser.evaluate(layout)
+        assert got["scroll"] <= got["width"] + 1, (label, got)  # nothing pushes the page sideways
+        if label == "desktop":  # the note beside the code, the diff side by side
+            assert (got["side"], got["unified"]) == (True, False)
+            assert got["note"]["right"] <= got["code"]["left"], got
+        else:  # the note above the code, the diff unified
+            assert (got["side"], got["unified"]) == (False, True)
+            assert got["note"]["bottom"] <= got["code"]["top"], got
+        png = browser.screenshot()
+        assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+        (SCREENSHOTS / f"ddp-{label}.png").write_bytes(png)
+    print(f"screenshots: {SCREENSHOTS}")
+    # at the phone width (the last one set) no page is wider than the screen: code scrolls inside its own box
+    for path in sorted(built.rglob("*.html")):
+        browser.navigate(path.as_uri())
+        wide = browser.evaluate("document.documentElement.scrollWidth - innerWidth")
+        assert wide <= 1, f"{path.relative_to(built)} is {wide} px wider than a 390 px screen"
+
+
+# ---------------------------------------------------------------------- without a browser
+def test_a_built_site_is_checked_fresh_and_a_changed_one_is_stale(built):
+    ok = subprocess.run([sys.executable, "-m", "manual_train.docs", "--check", "--html", str(built)], cwd=REPO,
+                        capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    page = built / "diffs" / "ddp.html"
+    original = page.read_text()
+    try:
+        page.write_text(original.replace("section class=\"hunk\"", "section class=\"old\"", 1))
+        (built / "diffs" / "retired.html").write_text("<html></html>")
+        stale = subprocess.run([sys.executable, "-m", "manual_train.docs", "--check", "--html", str(built)],
+                               cwd=REPO, capture_output=True, text=True)
+    finally:
+        page.write_text(original)
+        (built / "diffs" / "retired.html").unlink()
+    assert stale.returncode == 1
+    assert f"{page}: out of date" in stale.stdout
+    assert f"{built / 'diffs' / 'retired.html'}: no longer part of the site" in stale.stdout
+
+
+def test_a_changed_loop_makes_its_built_lesson_stale(built, tmp_path):
+    """A marker comment edited in the code is on the rebuilt page and makes the old build stale (a copied tree)."""
+    from manual_train import site
+
+    root = tmp_path / "repo"
+    for name in ("manual_train", "docs", "tests"):
+        shutil.copytree(REPO / name, root / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    loop = root / "manual_train" / "loops" / "ddp.py"
+    text = loop.read_text()
+    assert "# DDP: process_group picks the device" in text
+    loop.write_text(text.replace("# DDP: process_group picks the device", "# DDP: the device comes from torchrun"))
+    # the DDP lesson, and ZeRO's, whose base loop is DDP's
+    assert site.stale_files(built, root) == [f"{built / 'diffs' / name}.html: out of date" for name in ("ddp", "zero")]
+    assert "the device comes from torchrun" in site.render_site(root)["diffs/ddp.html"]
+
+
+def test_a_folder_that_holds_no_site_is_refused_and_left_alone(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    proc = subprocess.run([sys.executable, "-m", "manual_train.docs", "--html", str(tmp_path)], cwd=REPO,
+                          capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [f"error: --html: {tmp_path} is not empty and holds no site (allowed: "
+                                                f"a new folder or one that holds a site)"]
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
+
+
+def test_broken_links_and_anchors_are_named():
+    from manual_train.site import broken_links
+
+    files = {"index.html": '<a href="a.html#x">a</a><a href="a.html#nope">a</a><a href="gone.html">g</a>'
+                           '<a href="https://example.org/">web</a><img src="img/p.png">',
+             "a.html": '<h2 id="x">x</h2><a href="#x">self</a><a href="#y">self</a>'}
+    assert broken_links(files, {"img/p.png"}) == [
+        "index.html: link to a.html#nope: no such anchor", "index.html: link to gone.html: no such page",
+        "a.html: link to #y: no such anchor"]
+
+
+def test_each_mutant_of_a_loop_sits_under_the_hunk_that_holds_its_code(built):
+    html = (built / "diffs" / "ddp.html").read_text()
+    sections = re.split(r'<section class="hunk" id="hunk-\d+">', html)[1:]
+    holding = [s for s in sections if "sampler.set_epoch" in s]
+    assert holding and any('id="mutant-ddp-no-set-epoch"' in s for s in holding)
+    assert sum('id="mutant-ddp-no-set-epoch"' in s for s in sections) == 1
+    # ... its kill test with what it compares, and the distance the kill matrix measured
+    entry = next(s for s in holding if 'id="mutant-ddp-no-set-epoch"' in s)
+    assert "tests/test_ddp_parity.py::test_uneven_windows_on_two_ranks_equal_one_process" in entry
+    matrix = (REPO / "docs" / "mutants.md").read_text()
+    distance = re.search(r"`ddp-no-set-epoch` \|[^|]*\|[^|]*\| ([^|]+) \|", matrix).group(1).strip()
+    assert f"kill distance {distance}" in entry
