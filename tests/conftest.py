@@ -15,6 +15,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from jobs import IDLE_S, JobHung, Watch, end_hung
+
 from manual_train.config import Config, config_from
 
 REPO = Path(__file__).resolve().parents[1]
@@ -160,18 +162,40 @@ def final_weights(run_dir: Path) -> dict:
 
 # How long one launch script (or torchrun job) may take before the test fails. The jobs here take 5-60 s on 2
 # quiet cores; CI's machine may be loaded (load ~6 on 2 cores makes them 3-5x slower), so the limit is generous:
-# it is there to end a hung job, not to measure one.
+# it is there to end a job that spins, not to measure one. A hung job (ranks waiting on each other) fails long before
+# it: tests/jobs.py's watcher ends it after jobs.IDLE_S seconds without CPU use, naming each rank and where it waited.
 SUBPROCESS_TIMEOUT_S = 900
+STACKDUMP = REPO / "tests" / "stackdump"  # its sitecustomize.py: every Python process of a job dumps its stacks
 
 
 def run_script(script: str, *args: str, timeout: float = SUBPROCESS_TIMEOUT_S, launcher: list[str] | None = None,
-               env: dict | None = None, unset: tuple | list = ()) -> subprocess.CompletedProcess:
+               env: dict | None = None, unset: tuple | list = (), idle_s: float | None = IDLE_S
+               ) -> subprocess.CompletedProcess:
     """Run launch/<script>.py (or <script>.py when it names a folder, e.g. tests/faulty_ddp) as a user would (a
-    real subprocess), capturing its output; `env` adds variables, `unset` removes them."""
+    real subprocess), capturing its output; `env` adds variables, `unset` removes them. Watched (tests/jobs.py): past
+    `timeout`, or idle_s seconds without CPU use in all its processes (None: not watched for that; a run that
+    waits for something outside it), it is ended and the test fails naming each process and where it waited."""
     path = REPO / f"{script}.py" if "/" in script else REPO / "launch" / f"{script}.py"
     cmd = (launcher or [sys.executable]) + [str(path), *args]
-    full_env = {k: v for k, v in {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}.items() if k not in unset}
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=full_env)
+    with tempfile.TemporaryDirectory(prefix="stacks-") as stack_dir:
+        full_env = {k: v for k, v in {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}.items() if k not in unset}
+        full_env.update(TESTS_STACK_DIR=stack_dir,
+                        PYTHONPATH=os.pathsep.join(filter(None, [str(STACKDUMP), full_env.get("PYTHONPATH")])))
+        with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                              env=full_env) as proc:
+            watch = Watch([proc.pid], timeout, idle_s)
+            while True:
+                try:
+                    stdout, stderr = proc.communicate(timeout=2)  # retried after a timeout, it loses no output
+                    break
+                except subprocess.TimeoutExpired:
+                    why = watch.check()
+                    if why:
+                        what = f"{'torchrun ' if launcher else ''}{script}.py {' '.join(args)}"[:300]
+                        message = end_hung([proc.pid], Path(stack_dir), f"{what} {why}")
+                        stdout, stderr = proc.communicate()
+                        raise JobHung(f"{message}\n--- its stderr's end:\n{stderr[-3000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
 def cuda_devices(n: int = 1):
