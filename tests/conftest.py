@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import costs
 from jobs import IDLE_S, JobHung, Watch, end_hung
 
 from manual_train.config import Config, config_from
@@ -30,6 +31,30 @@ REPO = Path(__file__).resolve().parents[1]
 def pytest_configure(config):
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="pytest-inductor-")
     atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
+    if config.getoption("cost_report"):
+        costs.enable()
+
+
+# `pytest --cost-report=FILE`: where the time goes, per test file (tests/costs.py; README's Tests section).
+def pytest_addoption(parser):
+    parser.addoption("--cost-report", metavar="FILE", help="write wall and CPU seconds and process starts per test "
+                                                           "file to FILE (tests/costs.py)")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if item.config.getoption("cost_report"):
+        yield from costs.measure(item)
+    else:
+        yield
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    if config.getoption("cost_report"):
+        import platform
+        machine = f"{os.cpu_count()} cores, {platform.processor() or platform.machine()}, ATen " \
+                  f"{torch.backends.cpu.get_cpu_capability()}"
+        terminalreporter.write_line(costs.write(config.getoption("cost_report"), machine))
 
 
 def make_cfg(tmp_path: Path, config_cls=Config, **overrides) -> Config:

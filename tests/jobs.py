@@ -22,6 +22,7 @@ import json
 import multiprocessing
 import os
 import re
+import resource
 import signal
 import time
 from pathlib import Path
@@ -39,6 +40,7 @@ IDLE_S = 60
 IDLE_CPU_SHARE = 0.05
 JOB_DEADLINE_S = 900  # a backstop for a job that spins without ending (the jobs here take 5-200 s on 2 cores)
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
+accounted = {"ranks": 0, "cpu_s": 0.0}  # forked ranks and their CPU seconds, for tests/costs.py
 
 
 class JobHung(pytest.fail.Exception):
@@ -167,6 +169,8 @@ def _rank_entry(rank: int, scenario_fn: Callable, world_size: int, store_ports: 
         (Path(out_dir) / f"rank{rank}.at").write_text(name)  # which scenario a hung rank was in
         results[name] = scenario_fn(name, world_size, rank, Path(out_dir))
     (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(results))
+    usage = resource.getrusage(resource.RUSAGE_SELF)  # (a forked rank's CPU never reaches the test's RUSAGE_CHILDREN)
+    (Path(out_dir) / f"rank{rank}.cpu").write_text(str(usage.ru_utime + usage.ru_stime))
 
 
 def run_job(scenario_fn: Callable, world_size: int, out_dir: Path, scenarios: list, preload: list,
@@ -195,4 +199,6 @@ def run_job(scenario_fn: Callable, world_size: int, out_dir: Path, scenarios: li
                                        f"{scenario_fn.__module__}.{scenario_fn.__name__} {why}", names))
     finally:
         del stores  # closes the servers
+    accounted["ranks"] += world_size
+    accounted["cpu_s"] += sum(float((out_dir / f"rank{r}.cpu").read_text()) for r in range(world_size))
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world_size)]
