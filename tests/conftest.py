@@ -165,6 +165,23 @@ def train_state(module, config_cls, tmp_path: Path, name: str, **overrides) -> t
     return load_model_state(tmp_path / name / "run"), summary
 
 
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory):
+    """reference(**flags) -> (final weights, summary) of the single-device loop (manual_train.loops.single, in this
+    process, outputs in a folder of its own) with these flags, computed once per pytest run: several files compare
+    their technique with the same baseline run. Call it before any monkeypatch of the loop's code."""
+    from manual_train.loops import single
+
+    cache = {}
+
+    def get(**flags):
+        key = tuple(sorted(flags.items()))
+        if key not in cache:
+            cache[key] = train_state(single, Config, tmp_path_factory.mktemp("reference"), "s", **flags)
+        return cache[key]
+    return get
+
+
 # The seq2seq parity settings of the MP and hybrid tests. SGD, not Adam: Adam divides each gradient element by
 # its running RMS, which turns rounding-level differences in near-zero gradients (a GRU over 4 rows instead of
 # 10 rounds differently) into learning-rate-sized updates; with SGD they stay rounding-sized (~6e-8 after 6 steps).

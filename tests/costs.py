@@ -5,7 +5,8 @@ Per test file: wall seconds, CPU seconds of the pytest process itself, CPU secon
 from getrusage(RUSAGE_CHILDREN)) and of tests/jobs.py's forked ranks (they report their own), and how many processes
 were started: interpreters (each imports torch: ~4 s of CPU on a 2-core EPYC) and forked job ranks (no import).
 The table is what README's Tests section quotes (issue 41, item 1). Process starts inside a started process (the
-ranks of a torchrun a pytest subprocess starts) are in its CPU, not in the counts.
+ranks of a torchrun a pytest subprocess starts) are in its CPU, not in the counts. A serial run's report: under
+pytest-xdist (-n N) the workers measure and the controller, which writes the table, has nothing.
 """
 from __future__ import annotations
 
