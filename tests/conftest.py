@@ -28,7 +28,16 @@ REPO = Path(__file__).resolve().parents[1]
 # --compile blocks ended 210 from eager), and the same tests passed with an empty cache. Each pytest session (and
 # the launch scripts and ranks it starts, which inherit the variable) compiles into its own cache, cold as on a CI
 # machine. (A hook, not an import-time line: a job's ranks import this module too, and must share the session's.)
+#
+# One intra-op thread in every process of the suite: this pytest process, its jobs' ranks (tests/jobs.py) and every
+# process it starts (OMP_NUM_THREADS, inherited; torchrun sets the same for its ranks). The models here are tiny: a
+# second thread gains little on them, and OpenMP's threads wait for each other, spinning, at every op. Measured 2026-12-04 on
+# a 2-core AMD EPYC under load from other jobs, 60 steps of the cnn on digits in 64-true in one process: 2 threads
+# 40 s of CPU and 107 s wall, 1 thread 3.3 s and 9.7 s. Every process alike also keeps "one code path, one kind of
+# process": a run here and a launch script compute with the same thread count.
 def pytest_configure(config):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="pytest-inductor-")
     atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
     if config.getoption("cost_report"):
