@@ -15,6 +15,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import costs
+from jobs import IDLE_S, JobHung, Watch, end_hung
+
 from manual_train.config import Config, config_from
 
 REPO = Path(__file__).resolve().parents[1]
@@ -25,9 +28,42 @@ REPO = Path(__file__).resolve().parents[1]
 # --compile blocks ended 210 from eager), and the same tests passed with an empty cache. Each pytest session (and
 # the launch scripts and ranks it starts, which inherit the variable) compiles into its own cache, cold as on a CI
 # machine. (A hook, not an import-time line: a job's ranks import this module too, and must share the session's.)
+#
+# One intra-op thread in every process of the suite: this pytest process, its jobs' ranks (tests/jobs.py) and every
+# process it starts (OMP_NUM_THREADS, inherited; torchrun sets the same for its ranks). The models here are tiny: a
+# second thread gains little on them, and OpenMP's threads wait for each other, spinning, at every op. Measured 2026-12-04 on
+# a 2-core AMD EPYC under load from other jobs, 60 steps of the cnn on digits in 64-true in one process: 2 threads
+# 40 s of CPU and 107 s wall, 1 thread 3.3 s and 9.7 s. Every process alike also keeps "one code path, one kind of
+# process": a run here and a launch script compute with the same thread count.
 def pytest_configure(config):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="pytest-inductor-")
     atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
+    if config.getoption("cost_report"):
+        costs.enable()
+
+
+# `pytest --cost-report=FILE`: where the time goes, per test file (tests/costs.py; README's Tests section).
+def pytest_addoption(parser):
+    parser.addoption("--cost-report", metavar="FILE", help="write wall and CPU seconds and process starts per test "
+                                                           "file to FILE (tests/costs.py)")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if item.config.getoption("cost_report"):
+        yield from costs.measure(item)
+    else:
+        yield
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    if config.getoption("cost_report"):
+        import platform
+        machine = f"{os.cpu_count()} cores, {platform.processor() or platform.machine()}, ATen " \
+                  f"{torch.backends.cpu.get_cpu_capability()}"
+        terminalreporter.write_line(costs.write(config.getoption("cost_report"), machine))
 
 
 def make_cfg(tmp_path: Path, config_cls=Config, **overrides) -> Config:
@@ -138,6 +174,23 @@ def train_state(module, config_cls, tmp_path: Path, name: str, **overrides) -> t
     return load_model_state(tmp_path / name / "run"), summary
 
 
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory):
+    """reference(**flags) -> (final weights, summary) of the single-device loop (manual_train.loops.single, in this
+    process, outputs in a folder of its own) with these flags, computed once per pytest run: several files compare
+    their technique with the same baseline run. Call it before any monkeypatch of the loop's code."""
+    from manual_train.loops import single
+
+    cache = {}
+
+    def get(**flags):
+        key = tuple(sorted(flags.items()))
+        if key not in cache:
+            cache[key] = train_state(single, Config, tmp_path_factory.mktemp("reference"), "s", **flags)
+        return cache[key]
+    return get
+
+
 # The seq2seq parity settings of the MP and hybrid tests. SGD, not Adam: Adam divides each gradient element by
 # its running RMS, which turns rounding-level differences in near-zero gradients (a GRU over 4 rows instead of
 # 10 rounds differently) into learning-rate-sized updates; with SGD they stay rounding-sized (~6e-8 after 6 steps).
@@ -160,18 +213,40 @@ def final_weights(run_dir: Path) -> dict:
 
 # How long one launch script (or torchrun job) may take before the test fails. The jobs here take 5-60 s on 2
 # quiet cores; CI's machine may be loaded (load ~6 on 2 cores makes them 3-5x slower), so the limit is generous:
-# it is there to end a hung job, not to measure one.
+# it is there to end a job that spins, not to measure one. A hung job (ranks waiting on each other) fails long before
+# it: tests/jobs.py's watcher ends it after jobs.IDLE_S seconds without CPU use, naming each rank and where it waited.
 SUBPROCESS_TIMEOUT_S = 900
+STACKDUMP = REPO / "tests" / "stackdump"  # its sitecustomize.py: every Python process of a job dumps its stacks
 
 
 def run_script(script: str, *args: str, timeout: float = SUBPROCESS_TIMEOUT_S, launcher: list[str] | None = None,
-               env: dict | None = None, unset: tuple | list = ()) -> subprocess.CompletedProcess:
+               env: dict | None = None, unset: tuple | list = (), idle_s: float | None = IDLE_S
+               ) -> subprocess.CompletedProcess:
     """Run launch/<script>.py (or <script>.py when it names a folder, e.g. tests/faulty_ddp) as a user would (a
-    real subprocess), capturing its output; `env` adds variables, `unset` removes them."""
+    real subprocess), capturing its output; `env` adds variables, `unset` removes them. Watched (tests/jobs.py): past
+    `timeout`, or idle_s seconds without CPU use in all its processes (None: not watched for that; a run that
+    waits for something outside it), it is ended and the test fails naming each process and where it waited."""
     path = REPO / f"{script}.py" if "/" in script else REPO / "launch" / f"{script}.py"
     cmd = (launcher or [sys.executable]) + [str(path), *args]
-    full_env = {k: v for k, v in {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}.items() if k not in unset}
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=full_env)
+    with tempfile.TemporaryDirectory(prefix="stacks-") as stack_dir:
+        full_env = {k: v for k, v in {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}.items() if k not in unset}
+        full_env.update(TESTS_STACK_DIR=stack_dir,
+                        PYTHONPATH=os.pathsep.join(filter(None, [str(STACKDUMP), full_env.get("PYTHONPATH")])))
+        with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                              env=full_env) as proc:
+            watch = Watch([proc.pid], timeout, idle_s)
+            while True:
+                try:
+                    stdout, stderr = proc.communicate(timeout=2)  # retried after a timeout, it loses no output
+                    break
+                except subprocess.TimeoutExpired:
+                    why = watch.check()
+                    if why:
+                        what = f"{'torchrun ' if launcher else ''}{script}.py {' '.join(args)}"[:300]
+                        message = end_hung([proc.pid], Path(stack_dir), f"{what} {why}")
+                        stdout, stderr = proc.communicate()
+                        raise JobHung(f"{message}\n--- its stderr's end:\n{stderr[-3000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
 def cuda_devices(n: int = 1):

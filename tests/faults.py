@@ -4,7 +4,9 @@
 that would start optimizer step at_step + 1 (counted in this process's micro-steps, so the runs that use it keep
 --accumulate 1) raises, kills the process with SIGKILL (no exception, no finally, no destroy_process_group), or
 returns a NaN loss (a corrupt batch on this rank alone), or sends this process SIGTERM / SIGUSR1 and goes on (a
-preemption notice arriving in the middle of a step, on this rank alone). Only on torchrun's first attempt
+preemption notice arriving in the middle of a step, on this rank alone), or goes its own way ("alone": it waits for a
+message from the next rank, which never sends one, while the others wait for it in their step's all-reduce: a hung
+job, for tests/test_hang_deadline.py). Only on torchrun's first attempt
 (TORCHELASTIC_RESTART_COUNT 0, or a plain process): the group torchrun restarts after it (--max-restarts) runs
 clean, which is what a transient fault, a lost node, looks like.
 
@@ -17,7 +19,7 @@ import math
 import os
 import signal
 
-MODES = ("raise", "kill", "nan", "term", "usr1")
+MODES = ("raise", "kill", "nan", "term", "usr1", "alone")
 
 
 def inject(loop_module, at_step: int, rank: int, mode: str) -> None:
@@ -37,6 +39,11 @@ def inject(loop_module, at_step: int, rank: int, mode: str) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         if mode == "nan":
             return real_loss_fn(logits, y) * math.nan
+        if mode == "alone":
+            import torch
+            import torch.distributed as dist
+
+            dist.recv(torch.zeros(1), src=(rank + 1) % dist.get_world_size())  # never sent: hangs, with the others
         if mode in ("term", "usr1"):
             os.kill(os.getpid(), signal.SIGTERM if mode == "term" else signal.SIGUSR1)
             return real_loss_fn(logits, y)

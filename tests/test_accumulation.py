@@ -19,10 +19,18 @@ def train_weights(tmp_path, name, **flags):
     return load_model_state(tmp_path / name), summary
 
 
+@pytest.fixture(scope="module")
+def big_2_epochs(tmp_path_factory):
+    """Batch 64, 2 epochs of digits, 64-true, in this process: the reference of the 2-epoch pair, the ÷K variant and
+    the CLI pair (one run, not three)."""
+    return train_weights(tmp_path_factory.mktemp("big"), "big", batch_size=64, epochs=2, precision="64-true")
+
+
 @pytest.mark.parametrize("epochs", [2, 3])
-def test_16_x_4_equals_64(tmp_path, epochs):
+def test_16_x_4_equals_64(tmp_path, epochs, request):
     # 1500 samples: 23 windows of 64, then a last window of 28 = 16 + 12 (micro-batches 93 and 94)
-    big, s_big = train_weights(tmp_path, "big", batch_size=64, epochs=epochs, precision="64-true")
+    big, s_big = (request.getfixturevalue("big_2_epochs") if epochs == 2 else
+                  train_weights(tmp_path, "big", batch_size=64, epochs=epochs, precision="64-true"))
     acc, s_acc = train_weights(tmp_path, "acc", batch_size=16, accumulate=4, epochs=epochs, precision="64-true")
     assert s_acc["optimizer_steps"] == s_big["optimizer_steps"] == 24 * epochs
     assert s_acc["global_batch_size"] == 64 and s_acc["samples_seen"] == 1500 * epochs
@@ -55,11 +63,11 @@ def divide_by_k(monkeypatch):
     monkeypatch.setattr(single.data.Windows, "count", naive)
 
 
-def test_dividing_by_k_in_the_partial_window_fails_the_same_check(tmp_path, monkeypatch):
+def test_dividing_by_k_in_the_partial_window_fails_the_same_check(tmp_path, monkeypatch, big_2_epochs):
     """The naive weighting (each micro-batch loss / K, as Lightning and the article do) gives the last,
     28-sample window a gradient 28/64 the size of the big batch's: the parity check catches it."""
     # two epochs: epoch 1's partial window then falls mid-schedule (the cosine LR is ~0 at the very end)
-    big, _ = train_weights(tmp_path, "big", batch_size=64, epochs=2, precision="64-true")
+    big, _ = big_2_epochs
     divide_by_k(monkeypatch)
     naive, _ = train_weights(tmp_path, "naive", batch_size=16, accumulate=4, epochs=2, precision="64-true")
     assert max_param_diff(big, naive) > 1e6 * PARITY_TOL_64  # measured 5.1e-3
@@ -88,11 +96,12 @@ def test_scheduler_and_step_counter_advance_once_per_window(tmp_path):
     assert all(int(s["step"]) == 10 for s in ckpt["optimizer"]["state"].values())  # AdamW counts its steps
 
 
-def test_cli_level_parity(tmp_path):
-    """The accumulation promise, through the real script, in 64-true: A/last.pt == B/last.pt within 1e-9."""
+def test_cli_level_parity(tmp_path, big_2_epochs):
+    """The accumulation promise, through the real script, in 64-true: `launch/single.py --batch-size 16 --accumulate
+    4` ends within 1e-9 of batch 64 (the same loop with the same flags, run in this process: a 64-true bound, not a
+    bitwise one, so the two may be two kinds of process)."""
     common = ("--epochs", "2", "--precision", "64-true", "--no-progress")
     a = run_script("single", "--batch-size", "16", "--accumulate", "4", *common, "--out-dir", str(tmp_path / "A"))
-    b = run_script("single", "--batch-size", "64", *common, "--out-dir", str(tmp_path / "B"))
-    assert a.returncode == 0 and b.returncode == 0, a.stderr + b.stderr
+    assert a.returncode == 0, a.stderr
     assert "global batch 64 = batch 16 x accumulate 4" in a.stdout
-    assert max_param_diff(load_model_state(tmp_path / "A"), load_model_state(tmp_path / "B")) <= PARITY_TOL_64
+    assert_cross_path_64(load_model_state(tmp_path / "A"), big_2_epochs[0], "launch/single.py 16 x 4 vs 64")

@@ -45,18 +45,11 @@ CASES = {  # devices, batch size, accumulate
 }
 
 
-@pytest.fixture(scope="module")
-def baselines(tmp_path_factory):
-    """The single-device loop's (weights, summary), per (batch size, accumulate, flags), computed once per module."""
-    cache = {}
-
-    def get(batch_size, accumulate, **flags):
-        key = (batch_size, accumulate, *sorted(flags.items()))
-        if key not in cache:
-            cache[key] = train_state(single, Config, tmp_path_factory.mktemp("single"), "s", batch_size=batch_size,
-                                     accumulate=accumulate, **flags)
-        return cache[key]
-    return get
+@pytest.fixture
+def baselines(reference):
+    """The single-device loop's (weights, summary), per (batch size, accumulate, flags), computed once per pytest run
+    (conftest.reference: tests/test_ddp_torchrun.py compares with the batch-32 one too)."""
+    return lambda batch_size, accumulate, **flags: reference(batch_size=batch_size, accumulate=accumulate, **flags)
 
 
 real_replicate = replicate

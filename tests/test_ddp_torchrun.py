@@ -12,8 +12,6 @@ import csv
 import pytest
 from conftest import assert_same_path_bitwise, PARITY_TOL_64, load_model_state, max_param_diff, run_script, torchrun
 
-from manual_train.cli import run
-from manual_train.loops import single
 
 FAULTY = "tests/faulty_ddp"  # launch/ddp.py with --fail-at-step/--fail-rank/--fail-mode (tests/faults.py)
 PRECISION = ("--precision", "64-true")  # the parity pair's proof holds on any CPU (tests/test_any_cpu.py)
@@ -34,14 +32,14 @@ def uninterrupted(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_torchrun_two_ranks_batch_16_equals_single_process_batch_32(uninterrupted, tmp_path):
+def test_torchrun_two_ranks_batch_16_equals_single_process_batch_32(uninterrupted, reference):
     a, proc_a = uninterrupted
-    b = tmp_path / "B"
-    # launch/single.py is this call (cli.run with single.train); run here, it spares a 4 s interpreter start
-    assert run(single.train, script="single", argv=["--batch-size", "32", "--epochs", "2", *PRECISION,
-                                                    "--out-dir", str(b), "--no-progress"]) == 0
-    diff = max_param_diff(load_model_state(a), load_model_state(b))
-    assert diff <= PARITY_TOL_64, f"A/last.pt vs B/last.pt: max abs diff {diff:.3g}"
+    # The single-device loop at batch 32, two epochs, 64-true, run in this process once per pytest run
+    # (conftest.reference; tests/test_data_parallel.py compares with the same run): launch/single.py is this call
+    # without the interpreter start, and a 64-true bound lets the two sides be two kinds of process.
+    b, _ = reference(batch_size=32, accumulate=1, epochs=2, precision="64-true", log_every=10)
+    diff = max_param_diff(load_model_state(a), b)
+    assert diff <= PARITY_TOL_64, f"A/last.pt vs batch 32 in one process: max abs diff {diff:.3g}"
     assert "global batch 32 = batch 16 x accumulate 1 x world size 2" in proc_a.stdout
     # Only rank 0 prints: one banner, one line per epoch, not one per rank.
     assert proc_a.stdout.count("global batch 32") == 1 and proc_a.stdout.count("epoch 2/2") == 1

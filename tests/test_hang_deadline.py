@@ -1,0 +1,63 @@
+"""A hung job fails within its own deadline, naming its ranks and where each waited (tests/jobs.py's watcher):
+never by the collective timeout (--dist-timeout-s, 1800 s by default) nor by pytest-timeout's limit for the suite.
+
+The hang is the bug class that once cost 952 s before a test failed: one rank acting alone (on a preemption notice
+only it received) while the other waits in a collective. Here rank 1 skips the all_reduce rank 0 enters, and waits
+for a message rank 0 never sends. Each test's own pytest-timeout (far below the collective timeout) is the proof
+that the watcher, not a timeout, ended it.
+"""
+from __future__ import annotations
+
+import pytest
+from conftest import run_script, torchrun
+from jobs import JobHung, run_job
+
+from manual_train import distributed
+
+IDLE_S = 8  # this test's idle window; the suite's jobs use jobs.IDLE_S
+
+
+def _one_rank_alone(name, world_size, rank, out):
+    import torch
+    import torch.distributed as dist
+
+    env = distributed.read_env()
+    distributed.setup(env, torch.device("cpu"), "gloo", timeout_s=1800)
+    t = torch.ones(4)
+    if rank == 0:
+        dist.all_reduce(t)  # waits for rank 1's part, which never comes
+    else:
+        dist.recv(t, src=0)  # rank 1 went its own way: waits for a message rank 0 never sends
+    return {}
+
+
+@pytest.mark.timeout(120)
+def test_a_hung_two_rank_job_fails_within_its_deadline_naming_each_rank_and_collective(tmp_path):
+    with pytest.raises(JobHung) as failure:
+        run_job(_one_rank_alone, 2, tmp_path / "job", ["alone"], ["manual_train.distributed"], idle_s=IDLE_S)
+    message = str(failure.value)
+    print(message)
+    assert "hung: its processes used" in message
+    lines = message.splitlines()
+    rank0 = next(line for line in lines if line.strip().startswith("rank 0 (pid"))
+    rank1 = next(line for line in lines if line.strip().startswith("rank 1 (pid"))
+    assert "scenario 'alone'" in rank0 and "in torch.distributed all_reduce" in rank0 and "_one_rank_alone" in rank0
+    assert "scenario 'alone'" in rank1 and "in torch.distributed recv" in rank1 and "_one_rank_alone" in rank1
+
+
+@pytest.mark.timeout(240)
+def test_a_hung_torchrun_job_fails_within_its_deadline_naming_each_rank(tmp_path):
+    """The same under real torchrun (conftest.run_script): rank 1 goes its own way after 3 steps of launch/ddp.py."""
+    with pytest.raises(JobHung) as failure:
+        run_script("tests/faulty_ddp", "--fail-at-step", "3", "--fail-rank", "1", "--fail-mode", "alone",
+                   "--max-steps", "40", "--out-dir", str(tmp_path / "run"), "--no-progress", launcher=torchrun(2),
+                   idle_s=IDLE_S)
+    message = str(failure.value)
+    print(message)
+    assert "tests/faulty_ddp.py" in message and "hung: its processes used" in message
+    lines = message.splitlines()
+    rank1 = next(line for line in lines if line.strip().startswith("rank 1 (pid"))
+    assert "in torch.distributed recv" in rank1 and "faults.py" in rank1, rank1
+    rank0 = next(line for line in lines if line.strip().startswith("rank 0 (pid"))
+    assert "(no stack dumped)" not in rank0, rank0
+    assert "torch.distributed.run" in message  # torchrun's agent, ended with its ranks
