@@ -5,11 +5,14 @@
 # make stress    the repetition tests (a race under CPU load), not part of `make test`
 # make mutants   every mutant of tests/mutants/ against the tests that must kill it; writes docs/mutants.md and
 #                docs/bug-gallery.md (about 30 minutes on 2 cores)
+# make mutants-flags  one generated mutant per flag (its value ignored) against the tests that name it; writes
+#                docs/mutants-flags.md (the flags' kill matrix) and the scores table of docs/mutants.md
+# make mutants-all    all three sets: the catalogue, the flag mutants, the operator mutants
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 
-.PHONY: demo test test-isa stress mutants bench clean
+.PHONY: demo test test-isa stress mutants mutants-flags mutants-operators mutants-all bench clean
 
 $(VENV)/.installed: setup.cfg setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -61,6 +64,17 @@ stress: $(VENV)/.installed
 
 mutants: $(VENV)/.installed
 	$(PY) tests/run_mutants.py
+
+mutants-flags: $(VENV)/.installed
+	$(PY) tests/flag_mutants.py
+
+# LEAD: the operator mutants' runner (issue 39 item 2, branch i39-ops) goes here; it writes docs/mutants-operators.json
+mutants-operators: $(VENV)/.installed
+	$(PY) tests/operator_mutants.py
+
+# Each set runs even when an earlier one had a survivor; the target fails if any set did.
+mutants-all: $(VENV)/.installed
+	rc=0; for t in mutants mutants-flags mutants-operators; do $(MAKE) --no-print-directory $$t || rc=1; done; exit $$rc
 
 bench: $(VENV)/.installed
 	$(PY) -m manual_train.bench --suite cpu --quick

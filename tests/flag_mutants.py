@@ -44,10 +44,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))
+
+from mutant_scores import write_scores  # noqa: E402
+
 TESTS = REPO / "tests"
 HOOK = TESTS / "flag_hook"
 MAX_TESTS = 3  # tests per flag: the cheapest that name it (-x stops at the first failure)
-RUN_TIMEOUT_S = 600
+TEST_TIMEOUT_S = 150  # a test slower than this under a mutant neither kills it nor lets it survive: the next runs
 # Heavy test code: a whole torchrun job, a compile, a sweep. Such tests run last for a flag, if at all.
 HEAVY = ("torchrun(", "run_job", "jobs.", "nproc", "compile", "mark.slow", "fp32_noise_floor", "bench.", "tune.")
 SKIP_MARKS = ("mark.gpu", "mark.stress", "needs_cuda", "cuda_devices")
@@ -198,53 +202,40 @@ def select_tests(mutants: list[FlagMutant], max_tests: int = MAX_TESTS) -> None:
         m.tests = [t.node for t in chosen[:max_tests]]
 
 
-# ---------------------------------------------------------------------- running one mutant
-def first_failure(report: Path):
-    import xml.etree.ElementTree as ET
-
-    for case in ET.parse(report).getroot().iter("testcase"):
-        for child in case:
-            if child.tag in ("failure", "error"):
-                node = f"{case.get('classname', '').replace('.', '/')}.py::{case.get('name')}"
-                return node, child.tag, " ".join((child.get("message") or "").split())[:200]
-    return None
-
-
-def run_mutant(m: FlagMutant) -> Outcome:
-    if m.name in EQUIVALENT:
-        return Outcome(m.name, "equivalent", how=EQUIVALENT[m.name])
-    if not m.tests:
-        return Outcome(m.name, "survived", how="no test names the flag")
-    start = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="flag-mutant-") as tmp:
-        report, hits = Path(tmp) / "report.xml", Path(tmp) / "hits"
-        env = {**os.environ, "FLAG_MUTANT": m.spec, "FLAG_MUTANT_HITS": str(hits), "PYTHONUNBUFFERED": "1",
-               "PYTHONPATH": os.pathsep.join([str(HOOK), str(REPO)])}
-        cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", f"--junitxml={report}", *m.tests]
-        try:
-            proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            return Outcome(m.name, "broken", how=f"the run took more than {RUN_TIMEOUT_S} s",
-                           seconds=time.perf_counter() - start, ran=m.tests)
-        n_hits = len(hits.read_text().splitlines()) if hits.exists() else 0
-        failure = first_failure(report) if report.exists() else None
-        hook_broken = "the hook failed to install" in proc.stderr
-    seconds = time.perf_counter() - start
-    if hook_broken:
-        return Outcome(m.name, "broken", how="the hook failed to install", seconds=seconds, ran=m.tests)
-    if proc.returncode == 0:
-        return Outcome(m.name, "survived", how="the tests passed" if n_hits else
-                       "never active: no selected test gave the flag a value other than its default",
-                       hits=n_hits, seconds=seconds, ran=m.tests)
-    if failure is None or not n_hits:
-        tail = (proc.stdout + proc.stderr).strip().splitlines()[-1:] or [""]
-        return Outcome(m.name, "broken", how=f"pytest exit {proc.returncode} with the mutant never active: "
-                       f"{tail[0][:150]}" if failure else f"pytest exit {proc.returncode}: {tail[0][:150]}",
-                       hits=n_hits, seconds=seconds, ran=m.tests)
-    test, tag, message = failure
-    assertion = tag == "failure" and message.startswith(("assert", "AssertionError", "Failed:"))
-    how = "assertion" if assertion else f"error: {message[:80]}"
-    return Outcome(m.name, "killed", test, how, n_hits, seconds, m.tests)
+# ---------------------------------------------------------------------- running the mutants
+def run_plan(mutants: list[FlagMutant], test_timeout_s: int) -> dict[str, Outcome]:
+    """Every mutant in one pytest process (tests/flag_hook/flag_plan.py); a process that dies mid-plan (a crash of
+    pytest itself) leaves its finished entries, the entry it was in is broken, and a new process takes the rest."""
+    outcomes = {m.name: Outcome(m.name, "equivalent", how=EQUIVALENT[m.name]) for m in mutants if m.name in EQUIVALENT}
+    outcomes.update({m.name: Outcome(m.name, "survived", how="no test names the flag") for m in mutants
+                     if m.name not in outcomes and not m.tests})
+    todo = [m for m in mutants if m.name not in outcomes]
+    with tempfile.TemporaryDirectory(prefix="flag-mutants-") as tmp:
+        while todo:
+            plan, results = Path(tmp) / "plan.json", Path(tmp) / "results.jsonl"
+            plan.write_text(json.dumps([dict(name=m.name, spec=m.spec, tests=m.tests) for m in todo]))
+            results.unlink(missing_ok=True)
+            env = {**os.environ, "FLAG_MUTANT": "", "FLAG_PLAN": str(plan), "FLAG_RESULTS": str(results),
+                   "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join([str(HOOK), str(REPO)])}
+            nodes = list(dict.fromkeys(t for m in todo for t in m.tests))
+            cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "flag_plan",
+                   f"--timeout={test_timeout_s}", *nodes]
+            proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+            done = [json.loads(line) for line in results.read_text().splitlines()] if results.exists() else []
+            for r in done:
+                r.pop("slow", None)
+                outcomes[r["name"]] = Outcome(**r)
+                o = outcomes[r["name"]]
+                print(f"{o.name}: {o.status.upper()} in {o.seconds:.0f} s" + (f" by {o.test}" if o.test else "")
+                      + f" ({o.how})", flush=True)
+            rest = todo[len(done):]
+            if rest:  # the process ended inside rest[0]
+                tail = (proc.stdout + proc.stderr).strip().splitlines()[-1:] or [""]
+                outcomes[rest[0].name] = Outcome(rest[0].name, "broken", how=f"pytest ended (exit {proc.returncode}) "
+                                                 f"inside this mutant's tests: {tail[0][:150]}", ran=rest[0].tests)
+                print(f"{rest[0].name}: BROKEN ({outcomes[rest[0].name].how})", flush=True)
+            todo = rest[1:]
+    return outcomes
 
 
 # ---------------------------------------------------------------------- the page and the score
@@ -292,44 +283,16 @@ def page(mutants: list[FlagMutant], outcomes: dict, result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-SCORES_BEGIN, SCORES_END = "<!-- scores: tests/flag_mutants.py write_scores -->", "<!-- /scores -->"
-
-
-def write_scores() -> None:
-    """The three scores side by side at the top of docs/mutants.md, from docs/mutants-{catalogue,flags,operators}.json
-    (each written by its own runner); a set that has not run says so."""
-    rows = ["| set | what it mutates | runner | killed | equivalent | survived | score | date | CPU |",
-            "|---|---|---|---|---|---|---|---|---|"]
-    for key, what, runner in (
-            ("catalogue", "hand-written bugs in each technique's code (tests/mutants/)", "`make mutants`"),
-            ("flags", "every flag's value ignored, generated from the parsers ([kill matrix](mutants-flags.md))",
-             "`make mutants-flags`"),
-            ("operators", "operators of the product code, generated by a mutation tool", "`make mutants-operators`")):
-        path = REPO / "docs" / f"mutants-{key}.json"
-        if path.exists():
-            r = json.loads(path.read_text())
-            rows.append(f"| {key} | {what} | {runner} | {r['killed']} | {r['equivalent']} | {r['survived']} | "
-                        f"{100 * r['score']:.1f}% of {r['total']} | {r['date']} | {r['cpu']} |")
-        else:
-            rows.append(f"| {key} | {what} | {runner} | not run | | | | | |")
-    block = "\n".join([SCORES_BEGIN, "## The three scores", "", *rows, "", SCORES_END])
-    doc = REPO / "docs" / "mutants.md"
-    text = doc.read_text() if doc.exists() else "# The kill matrix\n"
-    if SCORES_BEGIN in text:
-        text = text[:text.index(SCORES_BEGIN)] + block + text[text.index(SCORES_END) + len(SCORES_END):]
-    else:  # after the title line
-        title, _, rest = text.partition("\n")
-        text = f"{title}\n\n{block}\n{rest}"
-    doc.write_text(text)
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    parser.add_argument("--only", default="", help="the mutants whose name starts with this (nothing written)")
+    parser.add_argument("--only", default="", help="the mutants whose name starts with this, or one of these (comma-separated; nothing "
+                        "written unless --update)")
     parser.add_argument("--list", action="store_true", help="list the mutants and their tests, run nothing")
     parser.add_argument("--update", action="store_true", help="with --only: merge these outcomes into the pages of "
                         "the last full run (docs/mutants-flags.json) and rewrite them")
+    parser.add_argument("--test-timeout", type=int, default=TEST_TIMEOUT_S, help="seconds one test may take before "
+                        "it counts as neither kill nor pass (default: %(default)s)")
     parser.add_argument("--max-tests", type=int, default=MAX_TESTS, help="tests per flag (default: %(default)s)")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(REPO))
@@ -339,7 +302,7 @@ def main(argv=None) -> int:
         print(f"error: EQUIVALENT names flags that do not exist: {stale}", file=sys.stderr)
         return 2
     select_tests(mutants, args.max_tests)
-    selected = [m for m in mutants if m.name.startswith(args.only)]
+    selected = [m for m in mutants if m.name.startswith(tuple(args.only.split(",")))]
     if not selected:
         print(f"error: --only {args.only!r} matches no flag mutant", file=sys.stderr)
         return 2
@@ -350,12 +313,8 @@ def main(argv=None) -> int:
                 print(f"    {t}")
         print(f"{len(selected)} flag mutants")
         return 0
-    outcomes: dict[str, Outcome] = {}
     started = time.perf_counter()
-    for i, m in enumerate(selected, 1):
-        o = outcomes[m.name] = run_mutant(m)
-        print(f"[{i}/{len(selected)}] {m.name} ({m.flag}): {o.status.upper()} in {o.seconds:.0f} s"
-              + (f" by {o.test}" if o.test else "") + (f" ({o.how})" if o.how else ""), flush=True)
+    outcomes = run_plan(selected, args.test_timeout)
     seconds = time.perf_counter() - started
     saved = REPO / "docs" / "mutants-flags.json"
     if args.update and saved.exists():  # the last full run's outcomes, these replaced (their times summed anew)

@@ -11,13 +11,21 @@ FLAG_MUTANT=config:CLASS:FIELD   manual_train.config.parse_config, after validat
 FLAG_MUTANT=argparse:PROG:DEST   an argparse parser with this prog returns the parser's default for DEST (the tools
                                  whose parsers are plain argparse: parity, bench, and the tuner's own flags).
 
-Each time the mutant changes a value it appends one line to FLAG_MUTANT_HITS (a file), so that the runner can tell a
+The mutant is read from the environment at each call: flag_plan.py (the pytest plugin of the runner) sets one after
+the other in one pytest process, and every process a test starts inherits the one in force. Each time the mutant
+changes a value it appends one line to FLAG_MUTANT_HITS (a file), so that the runner can tell a
 mutant that no test ever activated from one that ran and was not noticed.
 """
 import os
 import sys
 
-_SPEC = os.environ.get("FLAG_MUTANT")
+
+def _target(kind: str):
+    """(where, name) of the mutant FLAG_MUTANT names now, if it is of this kind; read at each call, so that one
+    pytest process (tests/flag_hook/flag_plan.py) can run mutant after mutant, its subprocesses inheriting each."""
+    got, _, rest = os.environ.get("FLAG_MUTANT", "").partition(":")
+    where, _, name = rest.rpartition(":")
+    return (where, name) if got == kind else None
 
 
 def _hit(what: str, old, new) -> None:
@@ -27,7 +35,7 @@ def _hit(what: str, old, new) -> None:
             f.write(f"{os.getpid()} {what}: {old!r} -> {new!r}\n")
 
 
-def _install_config(cls_name: str, field: str) -> None:
+def _install_config() -> None:
     import dataclasses
 
     from manual_train import config
@@ -36,7 +44,9 @@ def _install_config(cls_name: str, field: str) -> None:
 
     def parse_config(config_cls=config.Config, argv=None, **kwargs):
         cfg = real(config_cls, argv, **kwargs)
-        if any(c.__name__ == cls_name for c in type(cfg).__mro__):
+        target = _target("config")
+        if target and any(c.__name__ == target[0] for c in type(cfg).__mro__):
+            field = target[1]
             declared = {f.name: f for f in dataclasses.fields(cfg)}[field]
             default = kwargs.get(field, declared.default)  # the script's own default (parse_config's **defaults)
             old = getattr(cfg, field)
@@ -49,33 +59,28 @@ def _install_config(cls_name: str, field: str) -> None:
     config.parse_config = parse_config
 
 
-def _install_argparse(prog: str, dest: str) -> None:
+def _install_argparse() -> None:
     import argparse
 
     real = argparse.ArgumentParser.parse_known_args
 
     def parse_known_args(self, args=None, namespace=None):
         parsed, extra = real(self, args, namespace)
-        if self.prog == prog and hasattr(parsed, dest):
-            old, default = getattr(parsed, dest), self.get_default(dest)
+        target = _target("argparse")
+        if target and self.prog == target[0] and hasattr(parsed, target[1]):
+            old, default = getattr(parsed, target[1]), self.get_default(target[1])
             if old != default:
-                setattr(parsed, dest, default)
-                _hit(f"{prog} {dest}", old, default)
+                setattr(parsed, target[1], default)
+                _hit(f"{self.prog} {target[1]}", old, default)
         return parsed, extra
 
     argparse.ArgumentParser.parse_known_args = parse_known_args
 
 
-if _SPEC:
-    kind, _, rest = _SPEC.partition(":")
-    where, _, name = rest.rpartition(":")
+if "FLAG_MUTANT" in os.environ:  # set (even empty: flag_plan.py sets each mutant in turn): install both wrappers
     try:
-        if kind == "config":
-            _install_config(where, name)
-        elif kind == "argparse":
-            _install_argparse(where, name)
-        else:
-            raise ValueError(f"unknown kind {kind!r}")
+        _install_config()
+        _install_argparse()
     except Exception as e:  # a broken hook must not pass for a surviving mutant: every process says so
-        sys.stderr.write(f"FLAG_MUTANT={_SPEC}: the hook failed to install: {e!r}\n")
+        sys.stderr.write(f"FLAG_MUTANT: the hook failed to install: {e!r}\n")
         raise

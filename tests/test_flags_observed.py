@@ -1,0 +1,157 @@
+"""Each flag's VALUE is observed: the flags that the generated flag mutants (tests/flag_mutants.py, `make
+mutants-flags`) found unchecked, each with a test that fails when the code ignores what the user asked for.
+
+Cheap by design (a one- or two-step mlp run in this process, or a tool's main() with its expensive part replaced by a
+recorder): these run in `make test`.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import math
+import sys
+import types
+
+import pytest
+import torch
+from conftest import load_model_state, make_cfg
+
+from manual_train import data
+from manual_train.loops import single
+from manual_train.metrics import model_summary
+from manual_train.models import DataInfo, build_model
+
+TINY = dict(model="mlp", limit_val_batches="1", eval_batch_size=64)
+
+
+def train_rows(run_dir) -> list[dict]:
+    with open(run_dir / "metrics.csv") as f:
+        return [r for r in csv.DictReader(f) if r["split"] == "train"]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A one-step mlp run's last.pt (for the evaluate tests)."""
+    tmp = tmp_path_factory.mktemp("ckpt")
+    single.train(make_cfg(tmp, max_steps=1, **TINY))
+    return tmp / "run" / "last.pt"
+
+
+# ---------------------------------------------------------------------- training flags
+def test_summary_depth_sets_the_banners_layer_table(tmp_path, capsys):
+    """--summary-depth 2 prints the layers inside the mlp's Sequential; 0 prints no table at all."""
+    single.train(make_cfg(tmp_path / "a", max_steps=1, summary_depth=2, **TINY))
+    deep = capsys.readouterr().out
+    table = model_summary(build_model("mlp", DataInfo("digits", (1, 8, 8), 10)), 2)
+    assert table.splitlines()[2] in deep and "net.1" in table  # a depth-2 row, as model_summary writes it
+    single.train(make_cfg(tmp_path / "b", max_steps=1, summary_depth=0, **TINY))
+    assert "total parameters" not in capsys.readouterr().out
+
+
+def test_no_train_acc_logs_nan_and_the_default_logs_the_accuracy(tmp_path):
+    single.train(make_cfg(tmp_path / "off", max_steps=2, log_every=1, train_acc=False, **TINY))
+    single.train(make_cfg(tmp_path / "on", max_steps=2, log_every=1, **TINY))
+    off, on = train_rows(tmp_path / "off" / "run"), train_rows(tmp_path / "on" / "run")
+    assert len(off) == len(on) == 2
+    assert all(math.isnan(float(r["acc"])) for r in off)
+    assert all(0 <= float(r["acc"]) <= 1 for r in on)
+
+
+def test_warmup_steps_ramp_the_logged_lr_linearly(tmp_path):
+    """--warmup-steps 4 --schedule constant: the LR of steps 1..4 (logged after each step: the next step's) is
+    lr * 2/4, 3/4, 4/4, 4/4."""
+    single.train(make_cfg(tmp_path, max_steps=4, log_every=1, warmup_steps=4, schedule="constant", lr=0.1, **TINY))
+    lrs = [float(r["lr"]) for r in train_rows(tmp_path / "run")]
+    assert lrs == pytest.approx([0.05, 0.075, 0.1, 0.1])
+
+
+def test_weight_decay_reaches_the_optimizer_and_the_weights(tmp_path):
+    single.train(make_cfg(tmp_path / "wd", max_steps=2, weight_decay=0.5, optimizer="adamw", **TINY))
+    single.train(make_cfg(tmp_path / "none", max_steps=2, optimizer="adamw", **TINY))
+    saved = torch.load(tmp_path / "wd" / "run" / "last.pt", map_location="cpu", weights_only=True)
+    assert {g["weight_decay"] for g in saved["optimizer"]["param_groups"]} == {0.5}
+    a, b = load_model_state(tmp_path / "wd" / "run"), load_model_state(tmp_path / "none" / "run")
+    assert any(not torch.equal(a[k], b[k]) for k in a)  # decoupled decay moved the weights
+
+
+def test_tensorboard_writes_the_rows_as_scalars(tmp_path, monkeypatch):
+    """--tensorboard: every metrics.csv row also goes to a SummaryWriter (recorded here; the tensorboard package
+    itself is an optional extra that `make test` does not install)."""
+    written = []
+
+    class Writer:
+        def __init__(self, log_dir):
+            written.append(("dir", log_dir))
+
+        def add_scalar(self, tag, value, step):
+            written.append((tag, step))
+
+        def close(self):
+            written.append(("closed", None))
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", types.SimpleNamespace(SummaryWriter=Writer))
+    single.train(make_cfg(tmp_path, max_steps=2, log_every=1, tensorboard=True, **TINY))
+    assert written, "--tensorboard: no SummaryWriter was made"
+    assert written[0] == ("dir", str(tmp_path / "run" / "tb"))
+    assert ("train/loss", 1) in written and ("train/loss", 2) in written and ("val/loss", 2) in written
+    assert written[-1] == ("closed", None)
+
+
+# ---------------------------------------------------------------------- the tools' flags
+def test_evaluate_num_workers_reaches_the_loader(checkpoint, monkeypatch, capsys):
+    from manual_train import evaluate
+
+    loaders = []
+    real = data.build_loader
+
+    def recording(*args, **kwargs):
+        loaders.append(real(*args, **kwargs))
+        return loaders[-1]
+
+    monkeypatch.setattr(evaluate.data, "build_loader", recording)
+    assert evaluate.main(["--checkpoint", str(checkpoint), "--num-workers", "2", "--json"]) == 0
+    assert [loader.num_workers for loader in loaders] == [2]
+    assert json.loads(capsys.readouterr().out)["samples"] == 297  # the whole digits validation split
+
+
+def test_bench_list_lists_and_runs_nothing(capsys):
+    """--list prints both suites' entries and exits 0 before anything runs (here an unknown --only would refuse)."""
+    from manual_train.bench.cli import main
+
+    assert main(["--list", "--only", "no-such-entry"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert {line.split()[0] for line in out} == {"cpu", "gpu"}
+
+
+def test_parity_no_floor_skips_the_floor_run(tmp_path, monkeypatch, capsys):
+    """--no-floor: run_pair is asked for no third (noise floor) run; without it, it is."""
+    from manual_train import parity
+
+    asked = []
+
+    def run_pair(a, b, work, *, quiet, floor):
+        asked.append(floor)
+        raise parity.BadInput("recorded")  # stop here: the runs themselves are tests/test_parity_tool.py's
+
+    monkeypatch.setattr(parity, "run_pair", run_pair)
+    for extra in (["--no-floor"], []):
+        assert parity.main(["--a", "python launch/single.py", "--b", "python launch/single.py",
+                            "--work-dir", str(tmp_path), *extra]) == 2
+    assert asked == [False, True]
+
+
+def test_parity_trace_floor_is_the_floor_compared_against(tmp_path, monkeypatch, capsys):
+    from manual_train import parity
+
+    monkeypatch.setattr(parity, "load_trace", lambda path, flag: {"meta": {}, "path": path})
+    monkeypatch.setattr(parity, "refusal", lambda a, b: None)
+    floors = []
+
+    def compare(ta, tb, tol, floor):
+        floors.append(floor and floor["path"])
+        return 0, "compared"
+
+    monkeypatch.setattr(parity, "compare", compare)
+    assert parity.main(["--trace-a", "A", "--trace-b", "B", "--trace-floor", "F"]) == 0
+    assert parity.main(["--trace-a", "A", "--trace-b", "B"]) == 0
+    assert floors == ["F", None]
