@@ -55,6 +55,9 @@ TEST_TIMEOUT_S = 150  # a test slower than this under a mutant neither kills it 
 # Heavy test code: a whole torchrun job, a compile, a sweep. Such tests run last for a flag, if at all.
 HEAVY = ("torchrun(", "run_job", "jobs.", "nproc", "compile", "mark.slow", "fp32_noise_floor", "bench.", "tune.")
 SKIP_MARKS = ("mark.gpu", "mark.stress", "needs_cuda", "cuda_devices")
+# Tests of bad input and of --help name every flag but stop at validation, before any mutant applies
+NOT_OBSERVING = re.compile(r"help|refus|bad_|hostile|one_line|rejected|invalid|error")
+OBSERVED = "test_flags_observed.py"  # the tests written to observe a flag's value: tried first
 
 # Flag mutants that no test can kill because the mutant computes exactly what the original computes. Each entry
 # says why; a flag that only changes speed is not here: its observable effect (workers started, kernel chosen,
@@ -171,10 +174,15 @@ def _test_texts() -> list[TestText]:
                 (ast.get_source_segment(source, fn) or "") + extra
             out.append(TestText(f"tests/{path.name}::{prefix}{fn.name}", path.name, text + used(text, 2)))
 
+        module_marks = "\n".join(ast.get_source_segment(source, n) or "" for n in tree.body if isinstance(n, ast.Assign)
+                                 and any(isinstance(t, ast.Name) and t.id == "pytestmark" for t in n.targets))
+        if any(mark in module_marks for mark in SKIP_MARKS):
+            continue
         for node in tree.body:
             if isinstance(node, ast.FunctionDef) and node.name.startswith("test"):
                 add(node, "")
-            elif isinstance(node, ast.ClassDef) and node.name.startswith("Test"):
+            elif isinstance(node, ast.ClassDef) and node.name.startswith("Test") and not any(
+                    mark in (ast.get_source_segment(source, node) or "") for mark in SKIP_MARKS):
                 decorators = "\n".join(ast.get_source_segment(source, d) or "" for d in node.decorator_list)
                 for fn in node.body:
                     if isinstance(fn, ast.FunctionDef) and fn.name.startswith("test"):
@@ -191,11 +199,12 @@ def names_flag(text: str, mutant: FlagMutant) -> bool:
 
 
 def cost(t: TestText) -> tuple:
-    return (sum(h in t.text for h in HEAVY), len(t.text))
+    return (t.file != OBSERVED, sum(h in t.text for h in HEAVY), len(t.text))
 
 
 def select_tests(mutants: list[FlagMutant], max_tests: int = MAX_TESTS) -> None:
-    texts = [t for t in _test_texts() if not any(s in t.text for s in SKIP_MARKS)]
+    texts = [t for t in _test_texts() if not any(s in t.text for s in SKIP_MARKS)
+             and not NOT_OBSERVING.search(t.node.split("::")[-1]) and t.file != "test_hostile_flags.py"]
     for m in mutants:
         pool = [t for t in texts if not m.tool or m.tool in t.text or m.tool in t.file]
         chosen = sorted((t for t in pool if names_flag(t.text, m)), key=cost)
@@ -203,19 +212,20 @@ def select_tests(mutants: list[FlagMutant], max_tests: int = MAX_TESTS) -> None:
 
 
 # ---------------------------------------------------------------------- running the mutants
-def run_plan(mutants: list[FlagMutant], test_timeout_s: int) -> dict[str, Outcome]:
+def run_plan(mutants: list[FlagMutant], test_timeout_s: int, deadline: float) -> dict[str, Outcome]:
     """Every mutant in one pytest process (tests/flag_hook/flag_plan.py); a process that dies mid-plan (a crash of
     pytest itself) leaves its finished entries, the entry it was in is broken, and a new process takes the rest."""
     outcomes = {m.name: Outcome(m.name, "equivalent", how=EQUIVALENT[m.name]) for m in mutants if m.name in EQUIVALENT}
     outcomes.update({m.name: Outcome(m.name, "survived", how="no test names the flag") for m in mutants
                      if m.name not in outcomes and not m.tests})
-    todo = [m for m in mutants if m.name not in outcomes]
+    todo = sorted((m for m in mutants if m.name not in outcomes),  # the cheap ones first (a --budget-s may end it)
+                  key=lambda m: (not all(OBSERVED in t for t in m.tests), len(m.tests)))
     with tempfile.TemporaryDirectory(prefix="flag-mutants-") as tmp:
         while todo:
             plan, results = Path(tmp) / "plan.json", Path(tmp) / "results.jsonl"
             plan.write_text(json.dumps([dict(name=m.name, spec=m.spec, tests=m.tests) for m in todo]))
             results.unlink(missing_ok=True)
-            env = {**os.environ, "FLAG_MUTANT": "", "FLAG_PLAN": str(plan), "FLAG_RESULTS": str(results),
+            env = {**os.environ, "FLAG_MUTANT": "", "FLAG_PLAN": str(plan), "FLAG_DEADLINE": str(deadline), "FLAG_RESULTS": str(results),
                    "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join([str(HOOK), str(REPO)])}
             nodes = list(dict.fromkeys(t for m in todo for t in m.tests))
             cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "flag_plan",
@@ -253,10 +263,10 @@ def machine() -> dict:
 
 
 def score(outcomes: list[Outcome], seconds: float) -> dict:
-    count = {s: sum(o.status == s for o in outcomes) for s in ("killed", "equivalent", "survived", "broken")}
+    count = {s: sum(o.status == s for o in outcomes) for s in ("killed", "equivalent", "survived", "broken", "not run")}
     total = len(outcomes)
     return {**machine(), "total": total, "killed": count["killed"], "equivalent": count["equivalent"],
-            "survived": count["survived"] + count["broken"],
+            "survived": count["survived"] + count["broken"], "not_run": count["not run"],
             "score": round((count["killed"] + count["equivalent"]) / total, 4) if total else 0.0,
             "wall_s": round(seconds)}
 
@@ -273,8 +283,8 @@ def page(mutants: list[FlagMutant], outcomes: dict, result: dict) -> str:
              "value than", "its default); equivalent: declared in tests/flag_mutants.py's EQUIVALENT, with the "
              "reason.", "",
              f"Measured {result['date']} on {result['cpu']}; {result['wall_s']} s for the whole set.", "",
-             f"**{result['killed']} killed, {result['equivalent']} equivalent, {result['survived']} survived, of "
-             f"{result['total']} flags.**", "",
+             f"**{result['killed']} killed, {result['equivalent']} equivalent, {result['survived']} survived, "
+             f"{result['not_run']} not run (the --budget-s was spent first), of {result['total']} flags.**", "",
              "| mutant | flag | result | by | how |", "|---|---|---|---|---|"]
     for m in mutants:
         o = outcomes[m.name]
@@ -293,6 +303,8 @@ def main(argv=None) -> int:
                         "the last full run (docs/mutants-flags.json) and rewrite them")
     parser.add_argument("--test-timeout", type=int, default=TEST_TIMEOUT_S, help="seconds one test may take before "
                         "it counts as neither kill nor pass (default: %(default)s)")
+    parser.add_argument("--budget-s", type=float, default=0, help="start no mutant after this many seconds; the "
+                        "rest are 'not run' (default: no limit)")
     parser.add_argument("--max-tests", type=int, default=MAX_TESTS, help="tests per flag (default: %(default)s)")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(REPO))
@@ -314,7 +326,7 @@ def main(argv=None) -> int:
         print(f"{len(selected)} flag mutants")
         return 0
     started = time.perf_counter()
-    outcomes = run_plan(selected, args.test_timeout)
+    outcomes = run_plan(selected, args.test_timeout, time.time() + args.budget_s if args.budget_s else 0)
     seconds = time.perf_counter() - started
     saved = REPO / "docs" / "mutants-flags.json"
     if args.update and saved.exists():  # the last full run's outcomes, these replaced (their times summed anew)
@@ -324,7 +336,7 @@ def main(argv=None) -> int:
         outcomes = {**kept, **outcomes}
         selected = [m for m in mutants if m.name in outcomes]
     result = score(list(outcomes.values()), seconds)
-    bad = [o for o in outcomes.values() if o.status not in ("killed", "equivalent")]
+    bad = [o for o in outcomes.values() if o.status not in ("killed", "equivalent")]  # (not run: not proven)
     print(f"{result['killed']} killed, {result['equivalent']} equivalent, {result['survived']} survived of "
           f"{len(outcomes)} in {seconds:.0f} s" + "".join(f"\n  {o.status.upper()}: {o.name}: {o.how}" for o in bad))
     if not args.only or args.update:

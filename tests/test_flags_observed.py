@@ -155,3 +155,88 @@ def test_parity_trace_floor_is_the_floor_compared_against(tmp_path, monkeypatch,
     assert parity.main(["--trace-a", "A", "--trace-b", "B", "--trace-floor", "F"]) == 0
     assert parity.main(["--trace-a", "A", "--trace-b", "B"]) == 0
     assert floors == ["F", None]
+
+
+def test_lr_scaling_scales_lr_by_the_global_over_the_base_batch(tmp_path):
+    """--lr 0.1 tuned at --base-batch-size 16, trained at 32: linear doubles it, sqrt multiplies it by sqrt(2)."""
+    for rule, factor in (("linear", 2.0), ("sqrt", math.sqrt(2))):
+        single.train(make_cfg(tmp_path / rule, max_steps=1, log_every=1, schedule="constant", lr=0.1, batch_size=32,
+                              base_batch_size=16, lr_scaling=rule, **TINY))
+        assert [float(r["lr"]) for r in train_rows(tmp_path / rule / "run")] == pytest.approx([0.1 * factor])
+
+
+def recorded_during_training(monkeypatch, cfg, probe) -> tuple[list, list]:
+    """single.train(cfg) with probe() recorded at each training loss call and at each evaluation loss call."""
+    train, val = [], []
+    real = single.loss_fn
+
+    def recording(logits, y, **kw):
+        (val if kw.get("reduction") == "sum" else train).append(probe())  # evaluation sums; training: the mean
+        return real(logits, y, **kw)
+
+    monkeypatch.setattr(single, "loss_fn", recording)
+    single.train(cfg)
+    return train, val
+
+
+def test_detect_anomaly_is_on_while_training_and_off_by_default(tmp_path, monkeypatch):
+    on, _ = recorded_during_training(monkeypatch, make_cfg(tmp_path / "a", max_steps=1, detect_anomaly=True, **TINY),
+                                     torch.is_anomaly_enabled)
+    off, _ = recorded_during_training(monkeypatch, make_cfg(tmp_path / "b", max_steps=1, **TINY),
+                                      torch.is_anomaly_enabled)
+    assert on[0] and not off[0], (on, off)  # the first training step's forward, with anomaly detection on / off
+
+
+def test_deterministic_turns_on_torchs_deterministic_algorithms(tmp_path, monkeypatch):
+    try:
+        off, _ = recorded_during_training(monkeypatch, make_cfg(tmp_path / "b", max_steps=1, **TINY),
+                                          torch.are_deterministic_algorithms_enabled)
+        on, _ = recorded_during_training(monkeypatch, make_cfg(tmp_path / "a", max_steps=1, deterministic=True,
+                                                               **TINY), torch.are_deterministic_algorithms_enabled)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert on[0] and not off[0], (on, off)  # the first training step's forward
+
+
+def test_eval_mode_inference_evaluates_under_inference_mode(tmp_path, monkeypatch):
+    _, inference = recorded_during_training(monkeypatch, make_cfg(tmp_path / "a", max_steps=1, eval_mode="inference",
+                                                                  **TINY), torch.is_inference_mode_enabled)
+    _, no_grad = recorded_during_training(monkeypatch, make_cfg(tmp_path / "b", max_steps=1, **TINY),
+                                          torch.is_inference_mode_enabled)
+    assert inference[0] and not no_grad[0], (inference, no_grad)  # the first evaluation's batch
+
+
+def test_loss_scale_flags_set_the_scalers_start_and_growth(tmp_path):
+    """16-mixed, --loss-scale-init 1024 --loss-scale-growth-interval 1: the scale doubles after each clean step."""
+    single.train(make_cfg(tmp_path, max_steps=2, precision="16-mixed", loss_scale_init=1024,
+                          loss_scale_growth_interval=1, **TINY))
+    scaler = torch.load(tmp_path / "run" / "last.pt", map_location="cpu", weights_only=True)["scaler"]["scaler"]
+    assert scaler["growth_interval"] == 1
+    assert scaler["scale"] == 4096.0  # 1024, doubled after each of the two steps (no overflow at this scale)
+
+
+def test_loader_flags_reach_the_dataloader(tmp_path, monkeypatch):
+    """--num-workers 2 --persistent-workers --prefetch-factor 3: the training and validation loaders have them."""
+    loaders = []
+    real = data.build_loader
+
+    def recording(*args, **kwargs):
+        loaders.append(real(*args, **kwargs))
+        return loaders[-1]
+
+    monkeypatch.setattr(single.data, "build_loader", recording)
+    single.train(make_cfg(tmp_path, max_steps=1, num_workers=2, persistent_workers=True, prefetch_factor=3, **TINY))
+    assert [(d.num_workers, d.persistent_workers, d.prefetch_factor) for d in loaders] == [(2, True, 3)] * 2
+
+
+def test_progress_flag_decides_the_bar(tmp_path, monkeypatch):
+    """--no-progress asks for no bar; the default asks for one (tqdm shows it on a terminal: not here)."""
+    from manual_train import run
+
+    asked = []
+    real = run.progress_bar
+    monkeypatch.setattr(run, "progress_bar", lambda total, initial, enabled: asked.append(enabled) or
+                        real(total, initial, enabled))
+    single.train(make_cfg(tmp_path / "off", max_steps=1, **TINY))  # make_cfg: progress=False
+    single.train(make_cfg(tmp_path / "on", max_steps=1, progress=True, **TINY))
+    assert asked == [False, True]

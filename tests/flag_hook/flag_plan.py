@@ -36,7 +36,13 @@ def pytest_runtestloop(session):
     by_node = {}
     for item in session.items:
         by_node.setdefault(item.nodeid.split("[")[0], []).append(item)
+    deadline = float(os.environ.get("FLAG_DEADLINE") or 0)
     for entry in plan:
+        if deadline and time.time() > deadline:  # the runner's --budget-s is spent: the rest are recorded, not run
+            with open(os.environ["FLAG_RESULTS"], "a") as f:
+                f.write(json.dumps(dict(name=entry["name"], status="not run", test="", how="--budget-s spent",
+                                        hits=0, seconds=0.0, ran=[])) + "\n")
+            continue
         items = [item for node in entry["tests"] for item in by_node.get(node, [])]
         hits = tempfile.mktemp(prefix="flag-hits-")
         os.environ.update(FLAG_MUTANT=entry["spec"], FLAG_MUTANT_HITS=hits)
