@@ -141,6 +141,7 @@ class TestText:
     node: str  # tests/test_x.py::test_y (or ::Class::test_y)
     file: str
     text: str  # the test, its decorators and the module-level code it uses
+    own: str = ""  # the test and its decorators alone
 
 
 def _test_texts() -> list[TestText]:
@@ -172,7 +173,7 @@ def _test_texts() -> list[TestText]:
         def add(fn, prefix: str, extra: str = "") -> None:
             text = "\n".join(ast.get_source_segment(source, d) or "" for d in fn.decorator_list) + \
                 (ast.get_source_segment(source, fn) or "") + extra
-            out.append(TestText(f"tests/{path.name}::{prefix}{fn.name}", path.name, text + used(text, 2)))
+            out.append(TestText(f"tests/{path.name}::{prefix}{fn.name}", path.name, text + used(text, 2), text))
 
         module_marks = "\n".join(ast.get_source_segment(source, n) or "" for n in tree.body if isinstance(n, ast.Assign)
                                  and any(isinstance(t, ast.Name) and t.id == "pytestmark" for t in n.targets))
@@ -198,8 +199,9 @@ def names_flag(text: str, mutant: FlagMutant) -> bool:
                 or re.search(rf"[\"']{field_}[\"']", text))
 
 
-def cost(t: TestText) -> tuple:
-    return (t.file != OBSERVED, sum(h in t.text for h in HEAVY), len(t.text))
+def cost(t: TestText, m: FlagMutant) -> tuple:
+    """A test that names the flag itself before one whose helpers do; the observing tests, then the light ones."""
+    return (not names_flag(t.own, m), t.file != OBSERVED, sum(h in t.text for h in HEAVY), len(t.text))
 
 
 def select_tests(mutants: list[FlagMutant], max_tests: int = MAX_TESTS) -> None:
@@ -207,7 +209,7 @@ def select_tests(mutants: list[FlagMutant], max_tests: int = MAX_TESTS) -> None:
              and not NOT_OBSERVING.search(t.node.split("::")[-1]) and t.file != "test_hostile_flags.py"]
     for m in mutants:
         pool = [t for t in texts if not m.tool or m.tool in t.text or m.tool in t.file]
-        chosen = sorted((t for t in pool if names_flag(t.text, m)), key=cost)
+        chosen = sorted((t for t in pool if names_flag(t.text, m)), key=lambda t: cost(t, m))
         m.tests = [t.node for t in chosen[:max_tests]]
 
 

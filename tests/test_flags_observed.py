@@ -225,8 +225,18 @@ def test_loader_flags_reach_the_dataloader(tmp_path, monkeypatch):
         return loaders[-1]
 
     monkeypatch.setattr(single.data, "build_loader", recording)
-    single.train(make_cfg(tmp_path, max_steps=1, num_workers=2, persistent_workers=True, prefetch_factor=3, **TINY))
+    flags = dict(TINY, eval_batch_size=100)
+    single.train(make_cfg(tmp_path, max_steps=1, num_workers=2, persistent_workers=True, prefetch_factor=3, **flags))
     assert [(d.num_workers, d.persistent_workers, d.prefetch_factor) for d in loaders] == [(2, True, 3)] * 2
+    assert [d.batch_size for d in loaders] == [32, 100]  # --batch-size's default, --eval-batch-size
+
+
+def test_limit_val_batches_validates_on_that_many_batches(tmp_path, capsys):
+    """--limit-val-batches 2 of --eval-batch-size 64: 128 validation samples; without it all 297."""
+    single.train(make_cfg(tmp_path / "a", max_steps=1, model="mlp", eval_batch_size=64, limit_val_batches="2"))
+    assert "(1500 train / 128 val)" in capsys.readouterr().out
+    single.train(make_cfg(tmp_path / "b", max_steps=1, model="mlp", eval_batch_size=64))
+    assert "(1500 train / 297 val)" in capsys.readouterr().out
 
 
 def test_progress_flag_decides_the_bar(tmp_path, monkeypatch):
@@ -240,3 +250,75 @@ def test_progress_flag_decides_the_bar(tmp_path, monkeypatch):
     single.train(make_cfg(tmp_path / "off", max_steps=1, **TINY))  # make_cfg: progress=False
     single.train(make_cfg(tmp_path / "on", max_steps=1, progress=True, **TINY))
     assert asked == [False, True]
+
+
+def test_trace_dir_gets_the_runs_trace(tmp_path):
+    single.train(make_cfg(tmp_path, max_steps=2, trace_dir=str(tmp_path / "trace"), **TINY))
+    assert sorted(p.name for p in (tmp_path / "trace").iterdir())  # the trace python -m manual_train.parity reads
+
+
+def test_save_on_signal_catches_the_signals_named(tmp_path, monkeypatch):
+    """--save-on-signal USR2: while training, SIGUSR2 has the run's handler (the default TERM,USR1 leaves it alone)."""
+    import signal
+
+    def usr2_caught():
+        return signal.getsignal(signal.SIGUSR2) not in (signal.SIG_DFL, None)
+
+    asked, _ = recorded_during_training(monkeypatch, make_cfg(tmp_path / "a", max_steps=1, save_on_signal="USR2",
+                                                              **TINY), usr2_caught)
+    default, _ = recorded_during_training(monkeypatch, make_cfg(tmp_path / "b", max_steps=1, **TINY), usr2_caught)
+    assert asked[0] and not default[0], (asked, default)
+
+
+def test_loss_scale_max_caps_the_o2_scale(tmp_path):
+    """launch/apex_o2.py --precision 16-o2: the scale starts at 1024 and doubles after each clean step, up to
+    --loss-scale-max 2048."""
+    from manual_train.apex_o2 import ApexO2Config
+    from manual_train.loops import apex_o2
+
+    apex_o2.train(make_cfg(tmp_path, ApexO2Config, max_steps=3, precision="16-o2", loss_scale_init=1024,
+                           loss_scale_max=2048, loss_scale_growth_interval=1, **TINY))
+    saved = torch.load(tmp_path / "run" / "last.pt", map_location="cpu", weights_only=True)["scaler"]
+    assert saved["scaler"]["scale"] == 2048.0, saved  # uncapped: 1024 * 2**3 = 8192
+
+
+def test_parity_tol_is_the_bound_compared_with(monkeypatch, capsys):
+    from manual_train import parity
+
+    monkeypatch.setattr(parity, "load_trace", lambda path, flag: {"meta": {}, "path": path})
+    monkeypatch.setattr(parity, "refusal", lambda a, b: None)
+    tols = []
+    monkeypatch.setattr(parity, "compare", lambda ta, tb, tol, floor: tols.append(tol) or (0, "compared"))
+    assert parity.main(["--trace-a", "A", "--trace-b", "B", "--tol", "0.001"]) == 0
+    assert tols == [0.001]
+
+
+def test_find_batch_size_search_flags(monkeypatch, capsys):
+    """The CPU search with each trial's peak faked as 1000 bytes per sample (the trials themselves are
+    tests/test_batch_size.py's): --start is the first size tried, --max-batch-size caps the answer, and
+    --memory-budget-bytes decides it."""
+    from manual_train import find_batch_size
+
+    tried = []
+
+    def trial(cmd, **kwargs):
+        size = int(next(a for a in cmd if a.startswith("--trial=")).split("=")[1])
+        tried.append(size)
+        return types.SimpleNamespace(returncode=0, stdout=json.dumps({"batch_size": size, "peak_bytes": 1000 * size}),
+                                     stderr="")
+
+    monkeypatch.setattr(find_batch_size.subprocess, "run", trial)
+    base = ["--device", "cpu", "--memory-budget-bytes", "30500"]
+    assert find_batch_size.main([*base, "--start", "4", "--max-batch-size", "20"]) == 0
+    assert tried[0] == 4 and capsys.readouterr().out.strip() == "largest batch size that fits: 20 (the limit)"
+    assert find_batch_size.main([*base, "--max-batch-size", "40"]) == 0
+    assert capsys.readouterr().out.strip() == "largest batch size that fits: 30"
+
+
+def test_find_batch_size_trial_runs_one_trial_only(monkeypatch, capsys):
+    from manual_train import find_batch_size
+
+    monkeypatch.setattr(find_batch_size, "_cpu_trial", lambda cfg: 123 * cfg.trial)
+    monkeypatch.setattr(find_batch_size.subprocess, "run", lambda *a, **k: pytest.fail("--trial ran a search"))
+    assert find_batch_size.main(["--device", "cpu", "--trial", "3"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"batch_size": 3, "peak_bytes": 369}
