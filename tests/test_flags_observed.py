@@ -322,3 +322,40 @@ def test_find_batch_size_trial_runs_one_trial_only(monkeypatch, capsys):
     monkeypatch.setattr(find_batch_size.subprocess, "run", lambda *a, **k: pytest.fail("--trial ran a search"))
     assert find_batch_size.main(["--device", "cpu", "--trial", "3"]) == 0
     assert json.loads(capsys.readouterr().out) == {"batch_size": 3, "peak_bytes": 369}
+
+
+def test_max_steps_stops_the_run_there(tmp_path):
+    """--max-steps 3 over 2 epochs of 5 batches: 3 optimizer steps, not 10."""
+    summary = single.train(make_cfg(tmp_path, max_steps=3, epochs=2, limit_train_batches="5", **TINY))
+    assert summary["optimizer_steps"] == 3
+
+
+def test_model_is_the_one_trained(tmp_path):
+    """--model mlp: the checkpoint holds the mlp's weights (the default is the cnn)."""
+    single.train(make_cfg(tmp_path, max_steps=1, **TINY))
+    assert load_model_state(tmp_path / "run").keys() == build_model("mlp", DataInfo("digits", (1, 8, 8), 10)
+                                                                    ).state_dict().keys()
+
+
+def test_eval_every_evaluates_every_n_epochs_and_after_the_last(tmp_path):
+    single.train(make_cfg(tmp_path, epochs=3, eval_every=2, limit_train_batches="2", **TINY))
+    with open(tmp_path / "run" / "metrics.csv") as f:
+        assert [r["epoch"] for r in csv.DictReader(f) if r["split"] == "val"] == ["2", "3"]
+
+
+def test_download_is_passed_to_torchvision(tmp_path, monkeypatch):
+    """--download: torchvision is asked to download (here it cannot: its error becomes the --download line)."""
+    import torchvision
+
+    from manual_train.errors import UsageError
+
+    asked = []
+
+    def no_network(root, train, download, transform):
+        asked.append(download)
+        raise RuntimeError("Error downloading train-images-idx3-ubyte.gz")
+
+    monkeypatch.setattr(torchvision.datasets, "MNIST", no_network)
+    with pytest.raises(UsageError, match="--download: could not download mnist"):
+        data.build_datasets(make_cfg(tmp_path, dataset="mnist", data_root=str(tmp_path), download=True, **TINY))
+    assert asked == [True]
