@@ -62,7 +62,20 @@ OBSERVED = "test_flags_observed.py"  # the tests written to observe a flag's val
 # Flag mutants that no test can kill because the mutant computes exactly what the original computes. Each entry
 # says why; a flag that only changes speed is not here: its observable effect (workers started, kernel chosen,
 # bytes sent) is what a test must assert.
+# "On a CPU-only host" entries are equivalent where no CUDA device exists (every CPU run, `make test`); on a GPU host
+# they are not, and the gpu-marked tests are where they must be seen.
 EQUIVALENT: dict[str, str] = {
+    "Config.pin_memory": "on a CPU-only host: data.build_loader pins only for a CUDA device (pin and device.type == "
+                         "'cuda'), so --pin-memory and its default both load unpinned batches",
+    "Config.device": "on a CPU-only host: --device auto (the default) resolves to cpu, the only device there is",
+    "EvalArgs.device": "on a CPU-only host: evaluate's --device auto resolves to cpu",
+    "GenerateArgs.device": "on a CPU-only host: generate's --device auto resolves to cpu",
+    "DataParallelConfig.output_device": "on a CPU-only host: every device of --devices cpu,cpu is the one cpu device, "
+                                        "so the first of --devices (the default) is --output-device cpu",
+    "DDPConfig.sync_bn": "on a CPU-only host: DDPConfig.validate refuses --sync-bn on the CPU (SyncBatchNorm needs "
+                         "CUDA), so no run reaches the mutant",
+    "DDPConfig.backend": "on a CPU-only host: --backend auto (the default) is gloo for the CPU, the one backend "
+                         "there; nccl needs CUDA",
 }
 
 

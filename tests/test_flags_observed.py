@@ -359,3 +359,41 @@ def test_download_is_passed_to_torchvision(tmp_path, monkeypatch):
     with pytest.raises(UsageError, match="--download: could not download mnist"):
         data.build_datasets(make_cfg(tmp_path, dataset="mnist", data_root=str(tmp_path), download=True, **TINY))
     assert asked == [True]
+
+
+# ---------------------------------------------------------------------- DDP's knobs, on a group of one (gloo)
+def ddp_as_built(tmp_path, monkeypatch, **flags) -> dict:
+    """launch/ddp.py's loop as a group of one, in this process: the DDP module's settings and the comm hook
+    registered on it, as the loop built them."""
+    from manual_train.distributed import DDPConfig
+    from manual_train.loops import ddp
+
+    built = {}
+    real = ddp.with_comm_hook
+
+    def recording(model, cfg):
+        def register(state, hook):  # state: distributed.CommCount, which wraps torch's hook and its state
+            built["hook"] = (state.hook.__name__, getattr(state.state, "matrix_approximation_rank", None),
+                             getattr(state.state, "start_powerSGD_iter", None))
+            return type(model).register_comm_hook(model, state, hook)
+
+        model.register_comm_hook = register
+        built.update(gradient_as_bucket_view=model.gradient_as_bucket_view, static_graph=model.static_graph,
+                     find_unused_parameters=model.find_unused_parameters, bucket_bytes_cap=model.bucket_bytes_cap)
+        return real(model, cfg)
+
+    monkeypatch.setattr(ddp, "with_comm_hook", recording)
+    ddp.train(make_cfg(tmp_path, DDPConfig, max_steps=1, **TINY, **flags))
+    return built
+
+
+def test_ddp_knobs_reach_the_ddp_module(tmp_path, monkeypatch, lone_process):
+    built = ddp_as_built(tmp_path / "a", monkeypatch, gradient_as_bucket_view=True, static_graph=True,
+                         find_unused_parameters=True, bucket_cap_mb=1, comm_hook="fp16")
+    assert built == dict(gradient_as_bucket_view=True, static_graph=True, find_unused_parameters=True,
+                         bucket_bytes_cap=2 ** 20, hook=("fp16_compress_hook", None, None))
+
+
+def test_powersgd_rank_and_start_reach_the_hooks_state(tmp_path, monkeypatch, lone_process):
+    built = ddp_as_built(tmp_path, monkeypatch, comm_hook="powersgd", powersgd_rank=2, powersgd_start=3)
+    assert built["hook"] == ("powerSGD_hook", 2, 3)
