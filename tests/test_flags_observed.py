@@ -397,3 +397,15 @@ def test_ddp_knobs_reach_the_ddp_module(tmp_path, monkeypatch, lone_process):
 def test_powersgd_rank_and_start_reach_the_hooks_state(tmp_path, monkeypatch, lone_process):
     built = ddp_as_built(tmp_path, monkeypatch, comm_hook="powersgd", powersgd_rank=2, powersgd_start=3)
     assert built["hook"] == ("powerSGD_hook", 2, 3)
+
+
+def test_tune_flags_reach_the_tuners_job(tmp_path):
+    """python -m manual_train.tune's own flags, as prepare() hands them to the search and the report (the search
+    itself, on a fake clock: tests/test_tune.py)."""
+    from manual_train.tune.cli import prepare
+
+    job = prepare(["--budget-s", "30", "--out", str(tmp_path / "t"), "--allow-changes", "--rounds", "3",
+                   "--trial-s", "0.5", "--levers", "loader", "--no-progress", "--model", "mlp"])
+    assert (job.flags.budget_s, job.flags.allow_changes, job.flags.rounds, job.flags.trial_s, job.flags.levers,
+            job.flags.progress) == (30.0, True, 3, 0.5, "loader", False)
+    assert job.out == tmp_path / "t" and job.cfg.model == "mlp"
