@@ -29,6 +29,19 @@ def train_rows(run_dir) -> list[dict]:
         return [r for r in csv.DictReader(f) if r["split"] == "train"]
 
 
+def loaders_built(monkeypatch) -> list:
+    """The DataLoaders data.build_loader returns from now on (training's, evaluation's, the evaluate tool's)."""
+    loaders = []
+    real = data.build_loader
+
+    def recording(*args, **kwargs):
+        loaders.append(real(*args, **kwargs))
+        return loaders[-1]
+
+    monkeypatch.setattr(data, "build_loader", recording)
+    return loaders
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     """A one-step mlp run's last.pt (for the evaluate tests)."""
@@ -101,14 +114,7 @@ def test_tensorboard_writes_the_rows_as_scalars(tmp_path, monkeypatch):
 def test_evaluate_num_workers_reaches_the_loader(checkpoint, monkeypatch, capsys):
     from manual_train import evaluate
 
-    loaders = []
-    real = data.build_loader
-
-    def recording(*args, **kwargs):
-        loaders.append(real(*args, **kwargs))
-        return loaders[-1]
-
-    monkeypatch.setattr(evaluate.data, "build_loader", recording)
+    loaders = loaders_built(monkeypatch)
     assert evaluate.main(["--checkpoint", str(checkpoint), "--num-workers", "2", "--json"]) == 0
     assert [loader.num_workers for loader in loaders] == [2]
     assert json.loads(capsys.readouterr().out)["samples"] == 297  # the whole digits validation split
@@ -217,14 +223,7 @@ def test_loss_scale_flags_set_the_scalers_start_and_growth(tmp_path):
 
 def test_loader_flags_reach_the_dataloader(tmp_path, monkeypatch):
     """--num-workers 2 --persistent-workers --prefetch-factor 3: the training and validation loaders have them."""
-    loaders = []
-    real = data.build_loader
-
-    def recording(*args, **kwargs):
-        loaders.append(real(*args, **kwargs))
-        return loaders[-1]
-
-    monkeypatch.setattr(single.data, "build_loader", recording)
+    loaders = loaders_built(monkeypatch)
     flags = dict(TINY, eval_batch_size=100)
     single.train(make_cfg(tmp_path, max_steps=1, num_workers=2, persistent_workers=True, prefetch_factor=3, **flags))
     assert [(d.num_workers, d.persistent_workers, d.prefetch_factor) for d in loaders] == [(2, True, 3)] * 2
