@@ -14,15 +14,19 @@ added tomorrow is a mutant tomorrow:
 The mutant is applied by tests/flag_hook/sitecustomize.py (FLAG_MUTANT=...), in the pytest process and in every
 process it starts (launch scripts, torchrun ranks, forkserver ranks), on the repository itself: nothing is copied.
 For each flag the runner selects the tests that name it (`--flag`, `field=`, `"field"` in the test function, its
-decorators, or the module-level helpers, fixtures and constants it uses, two levels deep), cheapest first, at most
-MAX_TESTS of them, and runs them with `pytest -x`. Killed: a test failed (which one, and whether by an assertion or an
-exception the wrong value caused). Survived: the tests passed; "never active" when no selected test gave the flag a
-value other than its default (the hook counts each change). Equivalent: EQUIVALENT below, each with its reason.
+decorators, or the module-level helpers, fixtures and constants it uses, two levels deep; not the tests of bad input
+or --help, which stop at validation), those naming it themselves first, then tests/test_flags_observed.py's, then the
+lightest, at most MAX_TESTS of them. One pytest process runs every mutant in turn (tests/flag_hook/flag_plan.py), each
+like `pytest -x`, every fixture torn down between two mutants. Killed: a test failed while the mutant had changed a
+value (which test, and whether by an assertion or an exception the wrong value caused). Survived: the tests passed;
+"never active" when no selected test gave the flag a value other than its default (the hook counts each change).
+Broken: every selected test ran past --test-timeout (a mutant that makes a run 10x longer). Equivalent: EQUIVALENT
+below, each with its reason. Not run: --budget-s was spent first (the cheap mutants run first).
 
     python tests/flag_mutants.py                 # every flag; writes docs/mutants-flags.md, docs/mutants-flags.json
     python tests/flag_mutants.py --only Config.  # the mutants whose name starts with Config. (nothing written)
     python tests/flag_mutants.py --list          # the mutants and the tests each would run
-    python tests/flag_mutants.py --only Config.seed --update   # rerun these, merged into the last full run's pages
+    python tests/flag_mutants.py --only Config.seed --update   # rerun these, merged into the last run's pages
 
 Exit status 0 when every flag mutant was killed or is declared equivalent, 1 otherwise, 2 for bad arguments.
 """
@@ -293,10 +297,11 @@ def page(mutants: list[FlagMutant], outcomes: dict, result: dict) -> str:
              "tools' argparse parsers): the", "mutant ignores the user's value (after validation the value becomes "
              "the script's default; for a boolean the user", "set, its opposite), in every process the tests start "
              "(tests/flag_hook/sitecustomize.py). Each ran against the tests", f"that name the flag (at most "
-             f"{MAX_TESTS}, cheapest first, `pytest -x`). Killed by an assertion, or by an error the wrong value",
-             "caused; survived when the tests passed (\"never active\": no selected test set the flag to another "
-             "value than", "its default); equivalent: declared in tests/flag_mutants.py's EQUIVALENT, with the "
-             "reason.", "",
+             f"{MAX_TESTS}, `pytest -x` style). Killed by an assertion, or by an error the wrong value caused;",
+             "survived when the tests passed (\"never active\": no selected test set the flag to another value than "
+             "its", "default); broken when every selected test ran past the per-test time limit; equivalent: declared "
+             "in", "tests/flag_mutants.py's EQUIVALENT, with the reason; not run: the run's --budget-s was spent "
+             "first.", "",
              f"Measured {result['date']} on {result['cpu']}; {result['wall_s']} s for the whole set.", "",
              f"**{result['killed']} killed, {result['equivalent']} equivalent, {result['survived']} survived, "
              f"{result['not_run']} not run (the --budget-s was spent first), of {result['total']} flags.**", "",
@@ -320,6 +325,8 @@ def main(argv=None) -> int:
                         "it counts as neither kill nor pass (default: %(default)s)")
     parser.add_argument("--budget-s", type=float, default=0, help="start no mutant after this many seconds; the "
                         "rest are 'not run' (default: no limit)")
+    parser.add_argument("--merge-results", metavar="JSONL", help="with --update: also take the outcomes of a run that "
+                        "was stopped, from the results file its flag_plan plugin wrote (FLAG_RESULTS)")
     parser.add_argument("--max-tests", type=int, default=MAX_TESTS, help="tests per flag (default: %(default)s)")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(REPO))
@@ -344,12 +351,21 @@ def main(argv=None) -> int:
     outcomes = run_plan(selected, args.test_timeout, time.time() + args.budget_s if args.budget_s else 0)
     seconds = time.perf_counter() - started
     saved = REPO / "docs" / "mutants-flags.json"
-    if args.update and saved.exists():  # the last full run's outcomes, these replaced (their times summed anew)
-        last = json.loads(saved.read_text())
-        kept = {n: Outcome(**o) for n, o in last["mutants"].items() if n not in outcomes}
+    if args.update:  # the last run's outcomes (and a stopped run's), these replaced (their times summed anew)
+        earlier = json.loads(saved.read_text())["mutants"] if saved.exists() else {}
+        if args.merge_results:
+            for line in Path(args.merge_results).read_text().splitlines():
+                r = json.loads(line)
+                r.pop("slow", None)
+                if r["status"] != "not run" or r["name"] not in earlier:
+                    earlier[r["name"]] = r
+        kept = {n: Outcome(**o) for n, o in earlier.items() if n not in outcomes or
+                (outcomes[n].status == "not run" and o["status"] != "not run")}
         seconds += sum(o.seconds for o in kept.values())
-        outcomes = {**kept, **outcomes}
-        selected = [m for m in mutants if m.name in outcomes]
+        outcomes = {**outcomes, **kept}
+        outcomes.update({m.name: Outcome(m.name, "not run", how="not run yet") for m in mutants
+                         if m.name not in outcomes})
+        selected = mutants
     result = score(list(outcomes.values()), seconds)
     bad = [o for o in outcomes.values() if o.status not in ("killed", "equivalent")]  # (not run: not proven)
     print(f"{result['killed']} killed, {result['equivalent']} equivalent, {result['survived']} survived of "
