@@ -53,3 +53,13 @@ def test_every_flag_is_a_mutant_and_the_kill_matrix_names_each():
     assert not missing, (f"flags not in docs/mutants-flags.md: {missing}; run "
                          f"`python tests/flag_mutants.py --only {','.join(missing)} --update`")
     assert page == listed == names, "docs/mutants-flags.md and its JSON are stale: run `make mutants-flags`"
+
+
+def test_a_tools_own_build_parser_is_mutated_too(tmp_path):
+    """The tuner parses its TuneFlags with config.build_parser and parse_known_args, not parse_config."""
+    env = {**os.environ, "FLAG_MUTANT": "config:TuneFlags:rounds",
+           "PYTHONPATH": os.pathsep.join([str(flag_mutants.HOOK), str(REPO)])}
+    code = ("from manual_train.config import build_parser; from manual_train.tune.cli import TuneFlags; "
+            "print(build_parser(TuneFlags).parse_known_args(['--rounds', '5', '--lr', '1'])[0].rounds)")
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.stdout.split() == ["2"], out.stderr[-2000:]

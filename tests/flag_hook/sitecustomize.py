@@ -7,7 +7,8 @@ it does nothing.
 
 FLAG_MUTANT=config:CLASS:FIELD   manual_train.config.parse_config, after validation, gives every config that is an
                                  instance of CLASS the script's default for FIELD (for a boolean the user set: the
-                                 opposite), as if the code ignored the user's value.
+                                 opposite), as if the code ignored the user's value; a parser a tool builds with
+                                 config.build_parser(CLASS) and parses itself (the tuner's) returns that default.
 FLAG_MUTANT=argparse:PROG:DEST   an argparse parser with this prog returns the parser's default for DEST (the tools
                                  whose parsers are plain argparse: parity, bench, and the tuner's own flags).
 
@@ -40,10 +41,15 @@ def _install_config() -> None:
 
     from manual_train import config
 
-    real = config.parse_config
+    real, real_build = config.parse_config, config.build_parser
+    inside = []  # parse_config calls in progress (its parser's values are mutated after validation, below)
 
     def parse_config(config_cls=config.Config, argv=None, **kwargs):
-        cfg = real(config_cls, argv, **kwargs)
+        inside.append(1)
+        try:
+            cfg = real(config_cls, argv, **kwargs)
+        finally:
+            inside.pop()
         target = _target("config")
         if target and any(c.__name__ == target[0] for c in type(cfg).__mro__):
             field = target[1]
@@ -55,8 +61,15 @@ def _install_config() -> None:
                 _hit(f"{type(cfg).__name__}.{field}", old, default)
         return cfg
 
-    parse_config.__wrapped__ = real
-    config.parse_config = parse_config
+    def build_parser(config_cls=config.Config, **kwargs):
+        """A parser a tool parses itself (the tuner's TuneFlags): the argparse hook mutates what it returns."""
+        parser = real_build(config_cls, **kwargs)
+        if not inside:
+            parser._flag_mutant_classes = [c.__name__ for c in config_cls.__mro__]
+        return parser
+
+    parse_config.__wrapped__, build_parser.__wrapped__ = real, real_build
+    config.parse_config, config.build_parser = parse_config, build_parser
 
 
 def _install_argparse() -> None:
@@ -66,12 +79,18 @@ def _install_argparse() -> None:
 
     def parse_known_args(self, args=None, namespace=None):
         parsed, extra = real(self, args, namespace)
-        target = _target("argparse")
-        if target and self.prog == target[0] and hasattr(parsed, target[1]):
-            old, default = getattr(parsed, target[1]), self.get_default(target[1])
+        by_prog, by_class = _target("argparse"), _target("config")
+        if by_prog and by_prog[0] == self.prog:
+            dest = by_prog[1]
+        elif by_class and by_class[0] in getattr(self, "_flag_mutant_classes", ()):  # built by build_parser(CLASS)
+            dest = by_class[1]
+        else:
+            return parsed, extra
+        if hasattr(parsed, dest):
+            old, default = getattr(parsed, dest), self.get_default(dest)
             if old != default:
-                setattr(parsed, target[1], default)
-                _hit(f"{self.prog} {target[1]}", old, default)
+                setattr(parsed, dest, default)
+                _hit(f"{self.prog} {dest}", old, default)
         return parsed, extra
 
     argparse.ArgumentParser.parse_known_args = parse_known_args
