@@ -1,7 +1,8 @@
 """The three mutant sets' scores side by side at the top of docs/mutants.md: the catalogue (tests/run_mutants.py,
 `make mutants`), the generated flag mutants (tests/flag_mutants.py, `make mutants-flags`) and the operator mutants
 (`make mutants-operators`). Each runner writes its score to docs/mutants-<set>.json, with the keys date, cpu, total,
-killed, equivalent, survived, score (a fraction), and calls write_scores(); a set that has not run says so.
+killed, equivalent, survived, score (a fraction: killed plus equivalent over total), optionally not_run (stopped by a
+time budget), and calls write_scores(); a set that has not run says so.
 """
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ SCORES_BEGIN, SCORES_END = "<!-- scores: written by tests/mutant_scores.py -->",
 def write_scores() -> None:
     """The three scores side by side at the top of docs/mutants.md, from docs/mutants-{catalogue,flags,operators}.json
     (each written by its own runner); a set that has not run says so."""
-    rows = ["| set | what it mutates | runner | killed | equivalent | survived | score | date | CPU |",
-            "|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| set | what it mutates | runner | killed | equivalent | survived | not run | score | date | CPU |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
     for key, what, runner in (
             ("catalogue", "hand-written bugs in each technique's code (tests/mutants/)", "`make mutants`"),
             ("flags", "every flag's value ignored, generated from the parsers ([kill matrix](mutants-flags.md))",
@@ -27,9 +28,9 @@ def write_scores() -> None:
         if path.exists():
             r = json.loads(path.read_text())
             rows.append(f"| {key} | {what} | {runner} | {r['killed']} | {r['equivalent']} | {r['survived']} | "
-                        f"{100 * r['score']:.1f}% of {r['total']} | {r['date']} | {r['cpu']} |")
+                        f"{r.get('not_run', 0)} | {100 * r['score']:.1f}% of {r['total']} | {r['date']} | {r['cpu']} |")
         else:
-            rows.append(f"| {key} | {what} | {runner} | not run | | | | | |")
+            rows.append(f"| {key} | {what} | {runner} | not run | | | | | | |")
     block = "\n".join([SCORES_BEGIN, "## The three scores", "", *rows, "", SCORES_END])
     doc = REPO / "docs" / "mutants.md"
     text = doc.read_text() if doc.exists() else "# The kill matrix\n"
