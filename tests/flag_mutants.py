@@ -302,7 +302,8 @@ def page(mutants: list[FlagMutant], outcomes: dict, result: dict) -> str:
              "its", "default); broken when every selected test ran past the per-test time limit; equivalent: declared "
              "in", "tests/flag_mutants.py's EQUIVALENT, with the reason; not run: the run's --budget-s was spent "
              "first.", "",
-             f"Measured {result['date']} on {result['cpu']}; {result['wall_s']} s for the whole set.", "",
+             f"Measured {result['date']} on {result['cpu']}; {result['wall_s']} s of mutant runs (with --update: the "
+             "runs merged, each mutant's own time).", "",
              f"**{result['killed']} killed, {result['equivalent']} equivalent, {result['survived']} survived, "
              f"{result['not_run']} not run (the --budget-s was spent first), of {result['total']} flags.**", "",
              "| mutant | flag | result | by | how |", "|---|---|---|---|---|"]
