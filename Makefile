@@ -7,11 +7,14 @@
 # make site     the lessons as a static site in site-out/ (open site-out/index.html; no server needed)
 # make mutants   every mutant of tests/mutants/ against the tests that must kill it; writes docs/mutants.md and
 #                docs/bug-gallery.md (about 30 minutes on 2 cores)
+# make mutants-flags  one generated mutant per flag (its value ignored) against the tests that name it; writes
+#                docs/mutants-flags.md (the flags' kill matrix) and the scores table of docs/mutants.md
+# make mutants-all    all three sets: the catalogue, the flag mutants, the operator mutants
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 
-.PHONY: demo test test-isa stress mutants bench site clean test-slurm
+.PHONY: demo test test-isa stress mutants mutants-flags mutants-operators mutants-all bench site clean test-slurm
 
 $(VENV)/.installed: setup.cfg setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -84,6 +87,16 @@ $(VENV)/.installed-site: setup.cfg setup.py
 
 site: $(VENV)/.installed-site
 	PYTHONPATH=. $(PY) -m manual_train.docs --html site-out
+
+mutants-flags: $(VENV)/.installed
+	$(PY) tests/flag_mutants.py
+
+mutants-operators: $(VENV)/.installed
+	$(PY) tests/operator_mutants.py
+
+# Each set runs even when an earlier one had a survivor; the target fails if any set did.
+mutants-all: $(VENV)/.installed
+	rc=0; for t in mutants mutants-flags mutants-operators; do $(MAKE) --no-print-directory $$t || rc=1; done; exit $$rc
 
 bench: $(VENV)/.installed
 	$(PY) -m manual_train.bench --suite cpu --quick

@@ -29,6 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 
 from conftest import torchrun  # noqa: E402
+from mutant_scores import write_scores  # noqa: E402
 from mutants import TECHNIQUES, Mutant, catalogue  # noqa: E402
 
 COPIED = ("manual_train", "launch", "tests", "setup.cfg", "setup.py")
@@ -335,7 +336,13 @@ def main(argv=None) -> int:
                 f"{torch.backends.cpu.get_cpu_capability()}, torch {torch.__version__}")
         (REPO / "docs" / "mutants.md").write_text(kill_matrix(mutants, outcomes, when))
         (REPO / "docs" / "bug-gallery.md").write_text(bug_gallery(mutants, outcomes, runs, when))
-        print("wrote docs/mutants.md and docs/bug-gallery.md")
+        killed = len(selected) - len(bad)  # the catalogue's score beside the generated sets' (tests/mutant_scores.py)
+        (REPO / "docs" / "mutants-catalogue.json").write_text(json.dumps(dict(
+            date=time.strftime("%Y-%m-%d"), cpu=when.split(" on ", 1)[1], total=len(selected), killed=killed,
+            equivalent=0, survived=len(bad), score=round(killed / len(selected), 4),
+            wall_s=round(time.perf_counter() - started)), indent=1) + "\n")
+        write_scores()
+        print("wrote docs/mutants.md, docs/mutants-catalogue.json and docs/bug-gallery.md")
     return 1 if bad else 0
 
 

@@ -17,3 +17,23 @@ if os.environ.get("TESTS_STACK_DIR"):
         faulthandler.register(signal.SIGRTMIN + 3, file=_stack_file, all_threads=True)
     except OSError:  # the folder is gone (the test ended while this process started): nothing to dump into
         pass
+
+
+def _chain() -> None:
+    """Python imports one sitecustomize, the first on sys.path: this folder's, which run_script puts first, would hide
+    any other further on (tests/flag_hook's under `make mutants-flags`, which must reach a launched job's processes
+    too; or the system's own). Run that one as well, as if this folder were not there."""
+    import importlib.util
+    import sys
+    here = os.path.dirname(os.path.abspath(__file__))
+    for folder in sys.path:
+        path = os.path.join(folder or os.getcwd(), "sitecustomize.py")
+        if os.path.abspath(os.path.dirname(path)) != here and os.path.isfile(path):
+            spec = importlib.util.spec_from_file_location("_next_sitecustomize", path)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[spec.name] = module
+            spec.loader.exec_module(module)
+            return
+
+
+_chain()

@@ -1,0 +1,411 @@
+"""Each flag's VALUE is observed: the flags that the generated flag mutants (tests/flag_mutants.py, `make
+mutants-flags`) found unchecked, each with a test that fails when the code ignores what the user asked for.
+
+Cheap by design (a one- or two-step mlp run in this process, or a tool's main() with its expensive part replaced by a
+recorder): these run in `make test`.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import math
+import sys
+import types
+
+import pytest
+import torch
+from conftest import load_model_state, make_cfg
+
+from manual_train import data
+from manual_train.loops import single
+from manual_train.metrics import model_summary
+from manual_train.models import DataInfo, build_model
+
+TINY = dict(model="mlp", limit_val_batches="1", eval_batch_size=64)
+
+
+def train_rows(run_dir) -> list[dict]:
+    with open(run_dir / "metrics.csv") as f:
+        return [r for r in csv.DictReader(f) if r["split"] == "train"]
+
+
+def loaders_built(monkeypatch) -> list:
+    """The DataLoaders data.build_loader returns from now on (training's, evaluation's, the evaluate tool's)."""
+    loaders = []
+    real = data.build_loader
+
+    def recording(*args, **kwargs):
+        loaders.append(real(*args, **kwargs))
+        return loaders[-1]
+
+    monkeypatch.setattr(data, "build_loader", recording)
+    return loaders
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A one-step mlp run's last.pt (for the evaluate tests)."""
+    tmp = tmp_path_factory.mktemp("ckpt")
+    single.train(make_cfg(tmp, max_steps=1, **TINY))
+    return tmp / "run" / "last.pt"
+
+
+# ---------------------------------------------------------------------- training flags
+def test_summary_depth_sets_the_banners_layer_table(tmp_path, capsys):
+    """--summary-depth 2 prints the layers inside the mlp's Sequential; 0 prints no table at all."""
+    single.train(make_cfg(tmp_path / "a", max_steps=1, summary_depth=2, **TINY))
+    deep = capsys.readouterr().out
+    table = model_summary(build_model("mlp", DataInfo("digits", (1, 8, 8), 10)), 2)
+    assert table.splitlines()[2] in deep and "net.1" in table  # a depth-2 row, as model_summary writes it
+    single.train(make_cfg(tmp_path / "b", max_steps=1, summary_depth=0, **TINY))
+    assert "total parameters" not in capsys.readouterr().out
+
+
+def test_no_train_acc_logs_nan_and_the_default_logs_the_accuracy(tmp_path):
+    single.train(make_cfg(tmp_path / "off", max_steps=2, log_every=1, train_acc=False, **TINY))
+    single.train(make_cfg(tmp_path / "on", max_steps=2, log_every=1, **TINY))
+    off, on = train_rows(tmp_path / "off" / "run"), train_rows(tmp_path / "on" / "run")
+    assert len(off) == len(on) == 2
+    assert all(math.isnan(float(r["acc"])) for r in off)
+    assert all(0 <= float(r["acc"]) <= 1 for r in on)
+
+
+def test_warmup_steps_ramp_the_logged_lr_linearly(tmp_path):
+    """--warmup-steps 4 --schedule constant: the LR of steps 1..4 (logged after each step: the next step's) is
+    lr * 2/4, 3/4, 4/4, 4/4."""
+    single.train(make_cfg(tmp_path, max_steps=4, log_every=1, warmup_steps=4, schedule="constant", lr=0.1, **TINY))
+    lrs = [float(r["lr"]) for r in train_rows(tmp_path / "run")]
+    assert lrs == pytest.approx([0.05, 0.075, 0.1, 0.1])
+
+
+def test_weight_decay_reaches_the_optimizer_and_the_weights(tmp_path):
+    single.train(make_cfg(tmp_path / "wd", max_steps=2, weight_decay=0.5, optimizer="adamw", **TINY))
+    single.train(make_cfg(tmp_path / "none", max_steps=2, optimizer="adamw", **TINY))
+    saved = torch.load(tmp_path / "wd" / "run" / "last.pt", map_location="cpu", weights_only=True)
+    assert {g["weight_decay"] for g in saved["optimizer"]["param_groups"]} == {0.5}
+    a, b = load_model_state(tmp_path / "wd" / "run"), load_model_state(tmp_path / "none" / "run")
+    assert any(not torch.equal(a[k], b[k]) for k in a)  # decoupled decay moved the weights
+
+
+def test_tensorboard_writes_the_rows_as_scalars(tmp_path, monkeypatch):
+    """--tensorboard: every metrics.csv row also goes to a SummaryWriter (recorded here; the tensorboard package
+    itself is an optional extra that `make test` does not install)."""
+    written = []
+
+    class Writer:
+        def __init__(self, log_dir):
+            written.append(("dir", log_dir))
+
+        def add_scalar(self, tag, value, step):
+            written.append((tag, step))
+
+        def close(self):
+            written.append(("closed", None))
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", types.SimpleNamespace(SummaryWriter=Writer))
+    single.train(make_cfg(tmp_path, max_steps=2, log_every=1, tensorboard=True, **TINY))
+    assert written, "--tensorboard: no SummaryWriter was made"
+    assert written[0] == ("dir", str(tmp_path / "run" / "tb"))
+    assert ("train/loss", 1) in written and ("train/loss", 2) in written and ("val/loss", 2) in written
+    assert written[-1] == ("closed", None)
+
+
+# ---------------------------------------------------------------------- the tools' flags
+def test_evaluate_num_workers_reaches_the_loader(checkpoint, monkeypatch, capsys):
+    from manual_train import evaluate
+
+    loaders = loaders_built(monkeypatch)
+    assert evaluate.main(["--checkpoint", str(checkpoint), "--num-workers", "2", "--json"]) == 0
+    assert [loader.num_workers for loader in loaders] == [2]
+    assert json.loads(capsys.readouterr().out)["samples"] == 297  # the whole digits validation split
+
+
+def test_bench_list_lists_and_runs_nothing(capsys):
+    """--list prints both suites' entries and exits 0 before anything runs (here an unknown --only would refuse)."""
+    from manual_train.bench.cli import main
+
+    assert main(["--list", "--only", "no-such-entry"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert {line.split()[0] for line in out} == {"cpu", "gpu"}
+
+
+def test_parity_no_floor_skips_the_floor_run(tmp_path, monkeypatch, capsys):
+    """--no-floor: run_pair is asked for no third (noise floor) run; without it, it is."""
+    from manual_train import parity
+
+    asked = []
+
+    def run_pair(a, b, work, *, quiet, floor):
+        asked.append(floor)
+        raise parity.BadInput("recorded")  # stop here: the runs themselves are tests/test_parity_tool.py's
+
+    monkeypatch.setattr(parity, "run_pair", run_pair)
+    for extra in (["--no-floor"], []):
+        assert parity.main(["--a", "python launch/single.py", "--b", "python launch/single.py",
+                            "--work-dir", str(tmp_path), *extra]) == 2
+    assert asked == [False, True]
+
+
+def test_parity_trace_floor_is_the_floor_compared_against(tmp_path, monkeypatch, capsys):
+    from manual_train import parity
+
+    monkeypatch.setattr(parity, "load_trace", lambda path, flag: {"meta": {}, "path": path})
+    monkeypatch.setattr(parity, "refusal", lambda a, b: None)
+    floors = []
+
+    def compare(ta, tb, tol, floor):
+        floors.append(floor and floor["path"])
+        return 0, "compared"
+
+    monkeypatch.setattr(parity, "compare", compare)
+    assert parity.main(["--trace-a", "A", "--trace-b", "B", "--trace-floor", "F"]) == 0
+    assert parity.main(["--trace-a", "A", "--trace-b", "B"]) == 0
+    assert floors == ["F", None]
+
+
+def test_lr_scaling_scales_lr_by_the_global_over_the_base_batch(tmp_path):
+    """--lr 0.1 tuned at --base-batch-size 16, trained at 32: linear doubles it, sqrt multiplies it by sqrt(2)."""
+    for rule, factor in (("linear", 2.0), ("sqrt", math.sqrt(2))):
+        single.train(make_cfg(tmp_path / rule, max_steps=1, log_every=1, schedule="constant", lr=0.1, batch_size=32,
+                              base_batch_size=16, lr_scaling=rule, **TINY))
+        assert [float(r["lr"]) for r in train_rows(tmp_path / rule / "run")] == pytest.approx([0.1 * factor])
+
+
+def recorded_during_training(monkeypatch, cfg, probe) -> tuple[list, list]:
+    """single.train(cfg) with probe() recorded at each training loss call and at each evaluation loss call."""
+    train, val = [], []
+    real = single.loss_fn
+
+    def recording(logits, y, **kw):
+        (val if kw.get("reduction") == "sum" else train).append(probe())  # evaluation sums; training: the mean
+        return real(logits, y, **kw)
+
+    monkeypatch.setattr(single, "loss_fn", recording)
+    single.train(cfg)
+    return train, val
+
+
+def test_detect_anomaly_is_on_while_training_and_off_by_default(tmp_path, monkeypatch):
+    on, _ = recorded_during_training(monkeypatch, make_cfg(tmp_path / "a", max_steps=1, detect_anomaly=True, **TINY),
+                                     torch.is_anomaly_enabled)
+    off, _ = recorded_during_training(monkeypatch, make_cfg(tmp_path / "b", max_steps=1, **TINY),
+                                      torch.is_anomaly_enabled)
+    assert on[0] and not off[0], (on, off)  # the first training step's forward, with anomaly detection on / off
+
+
+def test_deterministic_turns_on_torchs_deterministic_algorithms(tmp_path, monkeypatch):
+    try:
+        off, _ = recorded_during_training(monkeypatch, make_cfg(tmp_path / "b", max_steps=1, **TINY),
+                                          torch.are_deterministic_algorithms_enabled)
+        on, _ = recorded_during_training(monkeypatch, make_cfg(tmp_path / "a", max_steps=1, deterministic=True,
+                                                               **TINY), torch.are_deterministic_algorithms_enabled)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert on[0] and not off[0], (on, off)  # the first training step's forward
+
+
+def test_eval_mode_inference_evaluates_under_inference_mode(tmp_path, monkeypatch):
+    _, inference = recorded_during_training(monkeypatch, make_cfg(tmp_path / "a", max_steps=1, eval_mode="inference",
+                                                                  **TINY), torch.is_inference_mode_enabled)
+    _, no_grad = recorded_during_training(monkeypatch, make_cfg(tmp_path / "b", max_steps=1, **TINY),
+                                          torch.is_inference_mode_enabled)
+    assert inference[0] and not no_grad[0], (inference, no_grad)  # the first evaluation's batch
+
+
+def test_loss_scale_flags_set_the_scalers_start_and_growth(tmp_path):
+    """16-mixed, --loss-scale-init 1024 --loss-scale-growth-interval 1: the scale doubles after each clean step."""
+    single.train(make_cfg(tmp_path, max_steps=2, precision="16-mixed", loss_scale_init=1024,
+                          loss_scale_growth_interval=1, **TINY))
+    scaler = torch.load(tmp_path / "run" / "last.pt", map_location="cpu", weights_only=True)["scaler"]["scaler"]
+    assert scaler["growth_interval"] == 1
+    assert scaler["scale"] == 4096.0  # 1024, doubled after each of the two steps (no overflow at this scale)
+
+
+def test_loader_flags_reach_the_dataloader(tmp_path, monkeypatch):
+    """--num-workers 2 --persistent-workers --prefetch-factor 3: the training and validation loaders have them."""
+    loaders = loaders_built(monkeypatch)
+    flags = dict(TINY, eval_batch_size=100)
+    single.train(make_cfg(tmp_path, max_steps=1, num_workers=2, persistent_workers=True, prefetch_factor=3,
+                          batch_size=16, **flags))
+    assert [(d.num_workers, d.persistent_workers, d.prefetch_factor) for d in loaders] == [(2, True, 3)] * 2
+    assert [d.batch_size for d in loaders] == [16, 100]  # --batch-size, --eval-batch-size
+
+
+def test_limit_val_batches_validates_on_that_many_batches(tmp_path, capsys):
+    """--limit-val-batches 2 of --eval-batch-size 64: 128 validation samples; without it all 297."""
+    single.train(make_cfg(tmp_path / "a", max_steps=1, model="mlp", eval_batch_size=64, limit_val_batches="2"))
+    assert "(1500 train / 128 val)" in capsys.readouterr().out
+    single.train(make_cfg(tmp_path / "b", max_steps=1, model="mlp", eval_batch_size=64))
+    assert "(1500 train / 297 val)" in capsys.readouterr().out
+
+
+def test_progress_flag_decides_the_bar(tmp_path, monkeypatch):
+    """--no-progress asks for no bar; the default asks for one (tqdm shows it on a terminal: not here)."""
+    from manual_train import run
+
+    asked = []
+    real = run.progress_bar
+    monkeypatch.setattr(run, "progress_bar", lambda total, initial, enabled: asked.append(enabled) or
+                        real(total, initial, enabled))
+    single.train(make_cfg(tmp_path / "off", max_steps=1, **TINY))  # make_cfg: progress=False
+    single.train(make_cfg(tmp_path / "on", max_steps=1, progress=True, **TINY))
+    assert asked == [False, True]
+
+
+def test_trace_dir_gets_the_runs_trace(tmp_path):
+    single.train(make_cfg(tmp_path, max_steps=2, trace_dir=str(tmp_path / "trace"), **TINY))
+    assert sorted(p.name for p in (tmp_path / "trace").iterdir())  # the trace python -m manual_train.parity reads
+
+
+def test_save_on_signal_catches_the_signals_named(tmp_path, monkeypatch):
+    """--save-on-signal USR2: while training, SIGUSR2 has the run's handler (the default TERM,USR1 leaves it alone)."""
+    import signal
+
+    def usr2_caught():
+        return signal.getsignal(signal.SIGUSR2) not in (signal.SIG_DFL, None)
+
+    asked, _ = recorded_during_training(monkeypatch, make_cfg(tmp_path / "a", max_steps=1, save_on_signal="USR2",
+                                                              **TINY), usr2_caught)
+    default, _ = recorded_during_training(monkeypatch, make_cfg(tmp_path / "b", max_steps=1, **TINY), usr2_caught)
+    assert asked[0] and not default[0], (asked, default)
+
+
+def test_loss_scale_max_caps_the_o2_scale(tmp_path):
+    """launch/apex_o2.py --precision 16-o2: the scale starts at 1024 and doubles after each clean step, up to
+    --loss-scale-max 2048."""
+    from manual_train.apex_o2 import ApexO2Config
+    from manual_train.loops import apex_o2
+
+    apex_o2.train(make_cfg(tmp_path, ApexO2Config, max_steps=3, precision="16-o2", loss_scale_init=1024,
+                           loss_scale_max=2048, loss_scale_growth_interval=1, **TINY))
+    saved = torch.load(tmp_path / "run" / "last.pt", map_location="cpu", weights_only=True)["scaler"]
+    assert saved["scaler"]["scale"] == 2048.0, saved  # uncapped: 1024 * 2**3 = 8192
+
+
+def test_parity_tol_is_the_bound_compared_with(monkeypatch, capsys):
+    from manual_train import parity
+
+    monkeypatch.setattr(parity, "load_trace", lambda path, flag: {"meta": {}, "path": path})
+    monkeypatch.setattr(parity, "refusal", lambda a, b: None)
+    tols = []
+    monkeypatch.setattr(parity, "compare", lambda ta, tb, tol, floor: tols.append(tol) or (0, "compared"))
+    assert parity.main(["--trace-a", "A", "--trace-b", "B", "--tol", "0.001"]) == 0
+    assert tols == [0.001]
+
+
+def test_find_batch_size_search_flags(monkeypatch, capsys):
+    """The CPU search with each trial's peak faked as 1000 bytes per sample (the trials themselves are
+    tests/test_batch_size.py's): --start is the first size tried, --max-batch-size caps the answer, and
+    --memory-budget-bytes decides it."""
+    from manual_train import find_batch_size
+
+    tried = []
+
+    def trial(cmd, **kwargs):
+        size = int(next(a for a in cmd if a.startswith("--trial=")).split("=")[1])
+        tried.append(size)
+        return types.SimpleNamespace(returncode=0, stdout=json.dumps({"batch_size": size, "peak_bytes": 1000 * size}),
+                                     stderr="")
+
+    monkeypatch.setattr(find_batch_size.subprocess, "run", trial)
+    base = ["--device", "cpu", "--memory-budget-bytes", "30500"]
+    assert find_batch_size.main([*base, "--start", "4", "--max-batch-size", "20"]) == 0
+    assert tried[0] == 4 and capsys.readouterr().out.strip() == "largest batch size that fits: 20 (the limit)"
+    assert find_batch_size.main([*base, "--max-batch-size", "40"]) == 0
+    assert capsys.readouterr().out.strip() == "largest batch size that fits: 30"
+
+
+def test_find_batch_size_trial_runs_one_trial_only(monkeypatch, capsys):
+    from manual_train import find_batch_size
+
+    monkeypatch.setattr(find_batch_size, "_cpu_trial", lambda cfg: 123 * cfg.trial)
+    monkeypatch.setattr(find_batch_size.subprocess, "run", lambda *a, **k: pytest.fail("--trial ran a search"))
+    assert find_batch_size.main(["--device", "cpu", "--trial", "3"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"batch_size": 3, "peak_bytes": 369}
+
+
+def test_max_steps_stops_the_run_there(tmp_path):
+    """--max-steps 3 over 2 epochs of 5 batches: 3 optimizer steps, not 10."""
+    summary = single.train(make_cfg(tmp_path, max_steps=3, epochs=2, limit_train_batches="5", **TINY))
+    assert summary["optimizer_steps"] == 3
+
+
+def test_model_is_the_one_trained(tmp_path):
+    """--model mlp: the checkpoint holds the mlp's weights (the default is the cnn)."""
+    single.train(make_cfg(tmp_path, max_steps=1, **TINY))
+    assert load_model_state(tmp_path / "run").keys() == build_model("mlp", DataInfo("digits", (1, 8, 8), 10)
+                                                                    ).state_dict().keys()
+
+
+def test_eval_every_evaluates_every_n_epochs_and_after_the_last(tmp_path):
+    single.train(make_cfg(tmp_path, epochs=3, eval_every=2, limit_train_batches="2", **TINY))
+    with open(tmp_path / "run" / "metrics.csv") as f:
+        assert [r["epoch"] for r in csv.DictReader(f) if r["split"] == "val"] == ["2", "3"]
+
+
+def test_download_is_passed_to_torchvision(tmp_path, monkeypatch):
+    """--download: torchvision is asked to download (here it cannot: its error becomes the --download line)."""
+    import torchvision
+
+    from manual_train.errors import UsageError
+
+    asked = []
+
+    def no_network(root, train, download, transform):
+        asked.append(download)
+        raise RuntimeError("Error downloading train-images-idx3-ubyte.gz")
+
+    monkeypatch.setattr(torchvision.datasets, "MNIST", no_network)
+    with pytest.raises(UsageError, match="--download: could not download mnist"):
+        data.build_datasets(make_cfg(tmp_path, dataset="mnist", data_root=str(tmp_path), download=True, **TINY))
+    assert asked == [True]
+
+
+# ---------------------------------------------------------------------- DDP's knobs, on a group of one (gloo)
+def ddp_as_built(tmp_path, monkeypatch, **flags) -> dict:
+    """launch/ddp.py's loop as a group of one, in this process: the DDP module's settings and the comm hook
+    registered on it, as the loop built them."""
+    from manual_train.distributed import DDPConfig
+    from manual_train.loops import ddp
+
+    built = {}
+    real = ddp.with_comm_hook
+
+    def recording(model, cfg):
+        def register(state, hook):  # state: distributed.CommCount, which wraps torch's hook and its state
+            built["hook"] = (state.hook.__name__, getattr(state.state, "matrix_approximation_rank", None),
+                             getattr(state.state, "start_powerSGD_iter", None))
+            return type(model).register_comm_hook(model, state, hook)
+
+        model.register_comm_hook = register
+        built.update(gradient_as_bucket_view=model.gradient_as_bucket_view, static_graph=model.static_graph,
+                     find_unused_parameters=model.find_unused_parameters, bucket_bytes_cap=model.bucket_bytes_cap)
+        return real(model, cfg)
+
+    monkeypatch.setattr(ddp, "with_comm_hook", recording)
+    ddp.train(make_cfg(tmp_path, DDPConfig, max_steps=1, **TINY, **flags))
+    return built
+
+
+def test_ddp_knobs_reach_the_ddp_module(tmp_path, monkeypatch, lone_process):
+    built = ddp_as_built(tmp_path / "a", monkeypatch, gradient_as_bucket_view=True, static_graph=True,
+                         find_unused_parameters=True, bucket_cap_mb=1, comm_hook="fp16")
+    assert built == dict(gradient_as_bucket_view=True, static_graph=True, find_unused_parameters=True,
+                         bucket_bytes_cap=2 ** 20, hook=("fp16_compress_hook", None, None))
+
+
+def test_powersgd_rank_and_start_reach_the_hooks_state(tmp_path, monkeypatch, lone_process):
+    built = ddp_as_built(tmp_path, monkeypatch, comm_hook="powersgd", powersgd_rank=2, powersgd_start=3)
+    assert built["hook"] == ("powerSGD_hook", 2, 3)
+
+
+def test_tune_flags_reach_the_tuners_job(tmp_path):
+    """python -m manual_train.tune's own flags, as prepare() hands them to the search and the report (the search
+    itself, on a fake clock: tests/test_tune.py)."""
+    from manual_train.tune.cli import prepare
+
+    job = prepare(["--budget-s", "30", "--out", str(tmp_path / "t"), "--allow-changes", "--rounds", "3",
+                   "--trial-s", "0.5", "--levers", "loader", "--no-progress", "--model", "mlp"])
+    assert (job.flags.budget_s, job.flags.allow_changes, job.flags.rounds, job.flags.trial_s, job.flags.levers,
+            job.flags.progress) == (30.0, True, 3, 0.5, "loader", False)
+    assert job.out == tmp_path / "t" and job.cfg.model == "mlp"
