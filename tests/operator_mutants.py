@@ -159,7 +159,7 @@ def diff_of(root: Path, m: dict) -> str:
 
 def run_one(copy: Path, m: dict, timeout_s: float) -> dict:
     spec = MutationSpec(module_path=str(copy / m["file"]), operator_name=m["operator"], operator_args={},
-                        occurrence=m["occurrence"], start_pos=(m["lineno"], 0), end_pos=(m["lineno"], 0))
+                        occurrence=m["occurrence"], start_pos=(m["lineno"], 0), end_pos=(m["lineno"], 1))
     t0 = time.monotonic()
     result = mutate_and_test([spec], test_command(copy, m["tests"]), timeout_s)
     wall = time.monotonic() - t0
@@ -175,18 +175,21 @@ def run_one(copy: Path, m: dict, timeout_s: float) -> dict:
     return {"outcome": outcome, "wall_s": round(wall, 1), "tail": tail[0][:200]}
 
 
-def baseline(copy: Path, groups: dict, timeout_s: float) -> dict:
-    """Each group's tests on the unmutated copy: they must pass (else every mutant would look killed)."""
-    walls = {}
-    for name, tests in groups.items():
+def baseline(copies: list, groups: dict, timeout_s: float) -> dict:
+    """Each group's tests on the unmutated copies: they must pass (else every mutant would look killed)."""
+    def one(item):
+        j, (name, tests) = item
         t0 = time.monotonic()
-        cmd = test_command(copy, tests)
+        cmd = test_command(copies[j % len(copies)], tests)
         proc = subprocess.run(shlex.split(cmd), capture_output=True, text=True, timeout=timeout_s)
-        walls[name] = time.monotonic() - t0
+        wall = time.monotonic() - t0
         if proc.returncode != 0:
             sys.exit(f"operator_mutants: the tests of {name} fail without a mutant:\n{proc.stdout[-3000:]}")
-        print(f"baseline {name}: {walls[name]:.1f} s", flush=True)
-    return walls
+        print(f"baseline {name}: {wall:.1f} s ({proc.stdout.strip().splitlines()[-1]})", flush=True)
+        return name, wall
+
+    with concurrent.futures.ThreadPoolExecutor(len(copies)) as pool:
+        return dict(pool.map(one, enumerate(groups.items())))
 
 
 def cpu_name() -> str:
@@ -323,7 +326,8 @@ def main(argv=None) -> int:
     results_path = Path(args.results) if args.results else None
     if results_path and args.reuse and results_path.exists():
         for ident, r in json.loads(results_path.read_text()).items():
-            if r["outcome"].startswith("killed") and r.get("src") == src_hash.get(r.get("file")):
+            if ident == "__baseline__" or r["outcome"].startswith("killed") and r.get("src") == src_hash.get(
+                    r.get("file")):
                 results[ident] = r
         print(f"reusing {sum(m['id'] in results for m in chosen)} kills from {results_path}", flush=True)
     groups = {}
@@ -338,8 +342,13 @@ def main(argv=None) -> int:
             shutil.copytree(ROOT, copy, ignore=COPY_IGNORE)
             copies.append(copy)
         todo = [m for m in chosen if m["id"] not in results and m["id"] not in equiv]
-        needed = {m["group"]: groups[m["group"]] for m in todo}
-        walls = baseline(copies[0], needed, cfg.get("baseline_timeout_s", 900))
+        known = results.pop("__baseline__", {}) if args.reuse else {}
+        needed = {g: t for g, t in ((m["group"], groups[m["group"]]) for m in todo)
+                  if known.get(g, {}).get("tests") != t}
+        walls = {g: b["wall_s"] for g, b in known.items() if g not in needed}
+        walls.update(baseline(copies, needed, cfg.get("baseline_timeout_s", 900)))
+        results["__baseline__"] = {g: {"wall_s": w, "tests": groups[g]} for g, w in walls.items() if g in groups}
+        todo.sort(key=lambda m: walls[m["group"]])  # the groups with the fastest tests first
         timeout_of = {g: max(cfg["min_timeout_s"], cfg["timeout_factor"] * w) for g, w in walls.items()}
         free = list(copies)
         done = [0]
