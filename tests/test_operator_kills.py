@@ -161,3 +161,134 @@ def test_tune_machine_reads_cores_memory_and_flags():
     assert info["cores"] == 1 and info["memory_bytes"] == total and info["gpus"] == []
     assert set(info["cpu_flags"]) == set(trials.FLAGS_OF_INTEREST) & cpu_flags
     assert info["fast_bf16"] == bool({"avx512_bf16", "amx_bf16"} & cpu_flags)
+
+
+# ---------------------------------------------------------------------- parity (manual_train/parity.py)
+from manual_train import parity  # noqa: E402
+
+
+class Tiny(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 2).double()
+        self.register_buffer("count", torch.zeros(2, dtype=torch.int64))  # not floating: not traced
+
+
+def test_parity_record_writes_every_floating_tensor_by_plain_name_and_loads_back(tmp_path):
+    torch.manual_seed(0)
+    model = Tiny()
+    for step in range(4):
+        parity.record(model, step, tmp_path / "t", loss=torch.tensor(0.5 * step) if step else None)
+        with torch.no_grad():
+            model.lin.weight.add_(0.25)
+    trace = parity.load_trace(tmp_path / "t", "--trace-a")
+    assert sorted(trace["steps"]) == [0, 1, 2, 3] == sorted(trace["full"])  # a small model: full state every step
+    assert trace["meta"]["dtypes"] == ["float64"] and trace["meta"]["full_every"] == 1
+    assert [trace["steps"][s]["loss"] for s in range(4)] == [None, 0.5, 1.0, 1.5]
+    assert set(trace["steps"][2]["checksums"]) == {"lin.weight", "lin.bias"}
+    w = torch.load(trace["full"][2], weights_only=True)["lin.weight"]
+    assert torch.equal(w, model.lin.weight.detach() - 0.5)
+    assert trace["steps"][2]["checksums"]["lin.weight"] == parity.checksums(w)
+
+
+@pytest.mark.parametrize("numbers,every", [(parity.FULL_EVERY_ELEMENTS, 1), (parity.FULL_EVERY_ELEMENTS + 1, 50)])
+def test_parity_full_state_every_step_up_to_a_million_numbers(tmp_path, numbers, every):
+    writer = parity.TraceWriter(tmp_path, {})
+    state = {"w": torch.zeros(numbers, dtype=torch.float32)}
+    for step in (0, 1):
+        writer.write(step, state)
+    assert writer.full_every == every
+    assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == \
+        ["step-00000000.pt", "step-00000001.pt"][:1 if every > 1 else 2]
+
+
+def test_parity_nudge_moves_every_parameter_one_ulp_up():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    parity.nudge_one_ulp(model)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, torch.nextafter(before[k], torch.full_like(v, math.inf)))
+
+
+def test_parity_run_trace_records_each_steps_own_losses(tmp_path):
+    from types import SimpleNamespace
+
+    model = Tiny()
+    cfg = make_cfg(tmp_path, model="mlp")
+    cfg.trace_dir = str(tmp_path / "t")
+    run = SimpleNamespace(script="single", env=SimpleNamespace(world_size=1, master_process=True), replicas=1,
+                          global_batch_size=8, total_steps=4, cfg=cfg, tracked={"model": model}, distributed=False)
+    trace = parity.RunTrace(run)
+    trace.start(0)
+    losses = [torch.tensor(1.0), torch.tensor(2.0)]
+    trace.stepped(losses)  # step 1: both
+    losses.append(torch.tensor(4.0))
+    trace.stepped(losses)  # step 2: only the one added since
+    trace.window_logged()  # the loop starts a new list
+    trace.stepped([torch.tensor(5.0)])
+    loaded = parity.load_trace(tmp_path / "t", "--a")
+    assert {s: e["loss"] for s, e in loaded["steps"].items()} == {0: None, 1: 3.0, 2: 4.0, 3: 5.0}
+    assert loaded["meta"]["total_steps"] == 4 and loaded["meta"]["start_step"] == 0
+
+
+def test_parity_refusal_names_the_step_flags_that_differ():
+    config = {name: 1 for name in parity.SAME_FLAGS}
+    a = {"config": {**config, "epochs": 2, "max_steps": None, "limit_train_batches": None}, "global_batch_size": 8,
+         "total_steps": 10}
+    b = {"config": {**config, "epochs": 3, "max_steps": None, "limit_train_batches": None}, "global_batch_size": 8,
+         "total_steps": 15}
+    assert parity.refusal(a, b) == "the number of optimizer steps differs: 10 (A) vs 15 (B) (--epochs 2 (A) vs 3 (B))"
+    assert parity.refusal(a, dict(a)) is None
+
+
+def trace_of(names, values, precision="64-true"):
+    steps = {s: {"step": s, "loss": 1.0, "checksums": {n: list(v) for n in names}} for s, v in values.items()}
+    return {"dir": None, "meta": {"precision": precision}, "steps": steps, "full": {}}
+
+
+def test_parity_different_tensors_are_refused_naming_three_of_each():
+    v = {0: [0.0] * 7}
+    with pytest.raises(parity.BadInput) as e:
+        parity.compare(trace_of(["a", "b", "c", "d", "x"], v), trace_of(["x", "y"], v))
+    assert str(e.value) == "the traces hold different tensors: only in A ['a', 'b', 'c'], only in B ['y']"
+
+
+def test_parity_floor_mode_bounds_b_by_ten_floors_and_needs_every_step():
+    base = {s: [0.5] * 7 for s in range(3)}
+    floor = trace_of(["w"], {s: [0.5 + 1e-6 * (s + 1)] + [0.5] * 6 for s in range(3)}, "32-true")
+    a = trace_of(["w"], base, "32-true")
+    near = trace_of(["w"], {s: [0.5 + 5e-6 * (s + 1)] + [0.5] * 6 for s in range(3)}, "32-true")
+    status, report = parity.compare(a, near, floor=floor)
+    assert status == 0 and report.startswith("equal within 10 x the fp32 noise floor over 3 steps")
+    far = trace_of(["w"], {s: [0.5 + 2e-5 * (s + 1)] + [0.5] * 6 for s in range(3)}, "32-true")
+    status, report = parity.compare(a, far, floor=floor)
+    assert status == 1 and report.startswith("parted at optimizer step 0")
+    short = trace_of(["w"], {0: [0.5] * 7}, "32-true")
+    with pytest.raises(parity.BadInput, match="--trace-floor"):
+        parity.compare(a, near, floor=short)
+    assert parity.compare(a, far)[1].startswith("no verdict")  # 32-true without a floor
+
+
+def test_parity_report_names_the_largest_difference_and_ends_its_table_at_the_last_step():
+    base = {s: [0.5] * 7 for s in range(4)}
+    b = {s: list(v) for s, v in base.items()}
+    b[2][3] = 0.5 + 2.0 ** -34
+    status, report = parity.compare(trace_of(["w"], base), trace_of(["w"], b))
+    assert status == 0 and "largest weight difference 5.82e-11 (w, step 2)" in report
+    n = 258  # a table that reaches its last row through the doubling steps (1 + 256 = 257, the last step)
+    base = {s: [0.5] * 7 for s in range(n)}
+    b = {s: [0.5 + (1e-3 if s >= 1 else 0.0)] + [0.5] * 6 for s in range(n)}
+    status, report = parity.compare(trace_of(["w"], base), trace_of(["w"], b))
+    table = [ln.split()[0] for ln in report.splitlines()[3:] if ln.split()[0].isdigit()]
+    assert status == 1 and table == ["1", "2", "3", "5", "9", "17", "33", "65", "129", "257"]
+
+
+def test_parity_free_port_and_last_line(tmp_path):
+    port = parity._free_port()
+    assert isinstance(port, int) and 1024 <= port <= 65535
+    log = tmp_path / "a.log"
+    log.write_text("x\nerror: --a: bad\nTraceback\n")
+    assert parity._last_line(log) == "error: --a: bad"
+    log.write_text("one\ntwo\n")
+    assert parity._last_line(log) == "two"
