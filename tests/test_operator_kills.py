@@ -57,7 +57,7 @@ def test_tune_estimate_before_and_after_a_trial_of_that_kind():
     assert state.estimate(Setup(1, 1, 8)) == 15.0
     assert state.estimate(Setup(2, 1, 4)) == 22.5  # each further process: half as long again (it starts torch)
     assert state.estimate(Setup(1, 1, 8, flags=(("--compile", "model"),))) == 75.0  # + 60 s guessed for a compile
-    state.walls[(1, "none")] = [20.0]
+    state.walls[(1, "none")] = [12.0, 20.0]  # the last one counts
     assert state.estimate(Setup(1, 1, 8)) == 20.0 and state.estimate(Setup(4, 1, 2)) == 50.0
     state.walls[(1, "model")] = [33.0]
     assert state.estimate(Setup(1, 1, 8, flags=(("--compile", "model"),))) == 33.0
@@ -292,3 +292,38 @@ def test_parity_free_port_and_last_line(tmp_path):
     assert parity._last_line(log) == "error: --a: bad"
     log.write_text("one\ntwo\n")
     assert parity._last_line(log) == "two"
+
+
+def test_tune_half_the_range_between_rounds_is_the_noise():
+    ref = [Trial(ok=True, sample_s=1.0)] * 2
+    winner, verdicts = search.decide(ref, {"a": [Trial(ok=True, sample_s=v) for v in (0.7, 0.9)]})
+    assert winner == "a" and verdicts["a"]["noise"] == pytest.approx(math.sqrt(0.9 / 0.7) - 1)
+
+
+def test_tune_batch_lever_scales_the_lr_by_the_optimizers_rule():
+    sgd = "".join(["s", "gd"])  # as argparse hands it over: not the interned literal
+    for optimizer, rule in ((sgd, "linear"), ("adamw", "sqrt")):
+        ctx = search.Context(cores=2, optimizer=optimizer, train_samples=1500)
+        found, _ = next(lv for lv in search.levers(ctx) if lv.name == "batch-size").options(Setup(1, 2, 32))
+        assert [(s.batch, s.flag("--lr-scaling"), s.flag("--base-batch-size")) for s in found] == \
+            [(64, rule, "32"), (128, rule, "32")]
+
+
+def test_tune_a_one_time_cost_counts_only_for_a_lever_that_pays_once():
+    ref = [Trial(ok=True, sample_s=1.0)]
+    slow_compile = [Trial(ok=True, sample_s=0.5, compile_s=80.0)]
+    assert search.decide(ref, {"a": slow_compile}, run_samples=100)[0] == "a"  # not pays_once: its speed alone
+    _, verdicts = search.decide(ref, {"a": slow_compile}, pays_once=True, run_samples=100)
+    assert verdicts["a"]["verdict"] == "does not pay back"  # saves 50 s, costs 80 s
+
+
+def test_tune_the_warm_up_is_round_0_of_the_reference():
+    now = [0.0]
+
+    def run(setup, limit, lever):
+        now[0] += 1.0
+        return Trial(ok=True, sample_s=1e-3)
+
+    result = search.search([], Setup(1, 1, 8), run, budget_s=100.0, trial_s=1.0, clock=lambda: now[0])
+    first = result.trials[0]
+    assert (first.lever, first.label, first.round, first.wall_s) == ("warm-up", "reference", 0, 1.0)
