@@ -327,3 +327,18 @@ def test_tune_the_warm_up_is_round_0_of_the_reference():
     result = search.search([], Setup(1, 1, 8), run, budget_s=100.0, trial_s=1.0, clock=lambda: now[0])
     first = result.trials[0]
     assert (first.lever, first.label, first.round, first.wall_s) == ("warm-up", "reference", 0, 1.0)
+
+
+def test_tune_a_trial_past_the_budget_gets_no_time_not_a_negative_limit():
+    now, limits = [0.0], []
+
+    def run(setup, limit, lever):
+        limits.append(limit)
+        return Trial(ok=True, sample_s=1e-3)
+
+    state = search._Search(run, lambda: now[0], budget_s=100.0, trial_s=5.0, progress=lambda text: None)
+    now[0] = 150.0  # 50 s over the budget
+    state.measure(Setup(1, 1, 8), "warm-up", "reference", 0)
+    now[0] = 40.0
+    state.measure(Setup(1, 1, 8), "warm-up", "reference", 0)
+    assert limits == [0.0, 60.0]
