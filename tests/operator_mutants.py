@@ -293,6 +293,8 @@ def main(argv=None) -> int:
     ap.add_argument("--list", action="store_true", help="print the sample with diffs; run nothing")
     ap.add_argument("--results", default=None, help="a JSON file of results: written as mutants finish")
     ap.add_argument("--reuse", action="store_true", help="keep --results' kills whose module is unchanged")
+    ap.add_argument("--rerun-survivors", action="store_true", help="with --results: run again only the mutants that "
+                    "survived there (after tests were added), keep its kills; the rest of the sample counts as not run")
     ap.add_argument("--report-only", action="store_true", help="write the reports from --results; run nothing "
                                                                "(mutants without a result count as not run)")
     args = ap.parse_args(argv)
@@ -324,6 +326,11 @@ def main(argv=None) -> int:
         return 0
     results: dict = {}
     results_path = Path(args.results) if args.results else None
+    survivors = set()
+    if args.rerun_survivors:
+        previous = json.loads(Path(args.results).read_text())
+        survivors = {i for i, r in previous.items() if i != "__baseline__" and r["outcome"] == "survived"}
+        args.reuse = True
     if results_path and args.reuse and results_path.exists():
         for ident, r in json.loads(results_path.read_text()).items():
             if ident == "__baseline__" or r["outcome"].startswith("killed") and r.get("src") == src_hash.get(
@@ -341,8 +348,10 @@ def main(argv=None) -> int:
             copy = Path(tmp) / f"tree{j}"
             shutil.copytree(ROOT, copy, ignore=COPY_IGNORE)
             copies.append(copy)
-        todo = [m for m in chosen if m["id"] not in results and m["id"] not in equiv]
-        known = results.pop("__baseline__", {}) if args.reuse else {}
+        todo = [m for m in chosen if m["id"] not in results and m["id"] not in equiv
+                and (not args.rerun_survivors or m["id"] in survivors)]
+        known = results.pop("__baseline__", {}) if args.reuse and not args.rerun_survivors else {}
+        results.pop("__baseline__", None)
         needed = {g: t for g, t in ((m["group"], groups[m["group"]]) for m in todo)
                   if known.get(g, {}).get("tests") != t}
         walls = {g: b["wall_s"] for g, b in known.items() if g not in needed}
@@ -375,7 +384,7 @@ def main(argv=None) -> int:
         with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
             list(pool.map(work, todo))
     for m in chosen:  # equivalents are not run: the triage is the list
-        results.setdefault(m["id"], {"outcome": "equivalent"})
+        results.setdefault(m["id"], {"outcome": "equivalent" if m["id"] in equiv else "not run"})
     wall_s = time.monotonic() - t_start
     if args.only is not None:
         for m in chosen:

@@ -342,3 +342,22 @@ def test_tune_a_trial_past_the_budget_gets_no_time_not_a_negative_limit():
     now[0] = 40.0
     state.measure(Setup(1, 1, 8), "warm-up", "reference", 0)
     assert limits == [0.0, 60.0]
+
+
+def test_tune_one_lever_runs_interleaved_rounds_and_keeps_the_faster():
+    now = [0.0]
+
+    def run(setup, limit, lever):
+        now[0] += 1.0
+        return Trial(ok=True, sample_s=0.5 if setup.flag("--optimizer-impl") == "foreach" else 1.0)
+
+    lever = [lv for lv in search.levers(search.Context(cores=2)) if lv.name == "optimizer-impl"]
+    result = search.search(lever, Setup(1, 2, 8), run, budget_s=100.0, trial_s=1.0, clock=lambda: now[0])
+    seen = [(t.lever, t.label, t.round) for t in result.trials]
+    impl = "optimizer-impl"
+    one = [(impl, "current", 1), (impl, "--optimizer-impl foreach", 1), (impl, "--optimizer-impl for-loop", 1)]
+    assert seen == [("warm-up", "reference", 0), *one, *[(a, b, 2) for a, b, _ in one]]
+    decision = result.decisions[0]
+    assert (decision["status"], decision["chosen"], decision["flags"]) == (
+        "kept", "--optimizer-impl foreach", ["--optimizer-impl foreach"])
+    assert result.best == Setup(1, 2, 8, flags=(("--optimizer-impl", "foreach"),))
