@@ -129,6 +129,10 @@ def test_tune_read_metrics_keeps_the_clean_intervals_and_the_later_evaluations(t
     out = trials.read_metrics(write_metrics(tmp_path / "b", fast), 2)
     assert out["sample_s"] == pytest.approx(0.05) and "eval_s" not in out
     assert out["compile_s"] == 0.0 and out["peak_mem_bytes"] is None
+    two = [(1, "train", 1.0), (1, "val", 1.5), (2, "train", 2.0), (2, "val", 2.25)]
+    assert trials.read_metrics(write_metrics(tmp_path / "c", two), 1)["eval_s"] == 0.25  # the first left out
+    one = [(1, "train", 1.0), (1, "val", 1.5), (2, "train", 2.0)]
+    assert trials.read_metrics(write_metrics(tmp_path / "d", one), 1)["eval_s"] == 0.5  # the only one kept
     assert trials._spread([1.0, 2.0, 4.0]) == 0.0 and trials._spread([1.0, 1.0, 4.0, 4.0, 4.0]) > 0
 
 
@@ -361,3 +365,36 @@ def test_tune_one_lever_runs_interleaved_rounds_and_keeps_the_faster():
     assert (decision["status"], decision["chosen"], decision["flags"]) == (
         "kept", "--optimizer-impl foreach", ["--optimizer-impl foreach"])
     assert result.best == Setup(1, 2, 8, flags=(("--optimizer-impl", "foreach"),))
+
+
+# ---------------------------------------------------------------------- early stopping, the optimizer
+from manual_train.early_stopping import EarlyStopping  # noqa: E402
+
+
+def test_early_stop_a_smaller_patience_after_resume_stops_at_the_next_evaluation():
+    es = EarlyStopping(patience=2)
+    es.load_state_dict({"monitor": "val_loss", "best": 1.0, "best_epoch": 0, "wait": 5, "should_stop": False,
+                        "reason": ""})
+    assert es.update(2.0, 6) is False and es.should_stop and es.wait == 6
+
+
+@pytest.mark.parametrize("mine,theirs", [("val_acc", "val_loss"), ("val_loss", "val_acc")])
+def test_early_stop_another_monitors_state_is_not_taken(mine, theirs):
+    es = EarlyStopping(mine)
+    es.load_state_dict({"monitor": theirs, "best": 0.5, "best_epoch": 3, "wait": 2, "should_stop": False,
+                        "reason": ""})
+    assert es.best == (math.inf if mine == "val_loss" else -math.inf) and es.wait == 0 and es.best_epoch == -1
+
+
+def optimizer_of(tmp_path, **overrides):
+    cfg = make_cfg(tmp_path, model="mlp", **overrides)
+    group = optim.build_optimizer(cfg, [torch.nn.Parameter(torch.zeros(2))], 0.1).param_groups[0]
+    return bool(group.get("foreach")), bool(group.get("fused"))
+
+
+def test_optim_impl_picks_the_kernel_asked_for(tmp_path):
+    assert optimizer_of(tmp_path, optimizer_impl="for-loop") == (False, False)
+    assert optimizer_of(tmp_path, optimizer_impl="foreach") == (True, False)
+    assert optimizer_of(tmp_path, optimizer_impl="fused") == (False, True)
+    assert optimizer_of(tmp_path) == (False, True)  # the default on the CPU: fused
+    assert optimizer_of(tmp_path, optimizer="adamw", optimizer_impl="fused") == (False, True)
