@@ -398,3 +398,13 @@ def test_optim_impl_picks_the_kernel_asked_for(tmp_path):
     assert optimizer_of(tmp_path, optimizer_impl="fused") == (False, True)
     assert optimizer_of(tmp_path) == (False, True)  # the default on the CPU: fused
     assert optimizer_of(tmp_path, optimizer="adamw", optimizer_impl="fused") == (False, True)
+
+
+def test_tune_runner_reports_a_failed_trial_by_its_error_line(tmp_path):
+    from manual_train.tune import trials
+
+    runner = trials.Runner(["--epochs", "zero"], 8, tmp_path, trial_s=1.0, accumulate=1,
+                           steps_per_epoch=lambda setup: 10)
+    trial = runner(Setup(1, 1, 8), 300.0, "warm-up")
+    assert not trial.ok and trial.error.startswith("exit 2: error: --epochs")
+    assert (tmp_path / "trial-001.log").read_text().startswith("error: --epochs")
