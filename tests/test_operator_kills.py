@@ -408,3 +408,67 @@ def test_tune_runner_reports_a_failed_trial_by_its_error_line(tmp_path):
     trial = runner(Setup(1, 1, 8), 300.0, "warm-up")
     assert not trial.ok and trial.error.startswith("exit 2: error: --epochs")
     assert (tmp_path / "trial-001.log").read_text().startswith("error: --epochs")
+
+
+# ---------------------------------------------------------------------- config validation (manual_train/config.py)
+from manual_train import config as config_mod  # noqa: E402
+from manual_train.errors import UsageError  # noqa: E402
+
+
+def test_config_defaults_are_the_documented_ones():
+    """The values every run gets without a flag (README, DESIGN.md's CLI contract, docs): a changed default changes
+    every user's run silently."""
+    cfg = config_mod.Config()
+    assert (cfg.epochs, cfg.accumulate, cfg.lr, cfg.base_batch_size, cfg.num_workers) == (10, 1, 0.05, 32, 0)
+    assert (cfg.synthetic_size, cfg.early_stop_min_delta, cfg.summary_depth, cfg.compile) == (2048, 0.0, 1, "none")
+    assert cfg.train_acc is True and cfg.tensorboard is False and cfg.out_dir is None and cfg.val_every_steps is None
+
+
+def refused(fn, *args) -> str:
+    with pytest.raises(UsageError) as e:
+        fn(*args)
+    return str(e.value)
+
+
+def test_config_parsers_take_the_boundaries_and_refuse_past_them():
+    assert config_mod.parse_duration("90", "--max-time") == 90.0
+    assert config_mod.parse_duration("01:02:03:04", "--max-time") == 86400 + 2 * 3600 + 3 * 60 + 4
+    assert config_mod.parse_duration(None, "--max-time") is None
+    assert refused(config_mod.parse_duration, "1:2:3:4:5", "--max-time").startswith("--max-time: '1:2:3:4:5' is not")
+    assert config_mod.parse_window("0:1", "--w") == (0, 1)
+    assert refused(config_mod.parse_window, "3:3", "--w").startswith("--w: '3:3' is not a window")
+    assert refused(config_mod.parse_window, "1:2:3", "--w").startswith("--w: ")
+    assert config_mod.parse_shape("1,1,1", "--s") == (1, 1, 1)
+    assert refused(config_mod.parse_shape, "1,1", "--s") == \
+        "--s: '1,1' is not three positive integers (allowed: C,H,W such as 3,32,32)"
+    assert refused(config_mod.parse_shape, "1,0,1", "--s").startswith("--s: '1,0,1'")
+    assert config_mod.parse_limit(None, "--l") is None and config_mod.parse_limit("1", "--l") == 1
+    assert config_mod.parse_limit("1.0", "--l") == 1.0 and config_mod.parse_limit("0.5", "--l") == 0.5
+    assert refused(config_mod.parse_limit, "0", "--l").startswith("--l: 0 is out of range")
+    assert refused(config_mod.parse_limit, "1.5", "--l").startswith("--l: 1.5 is out of range")
+    assert refused(config_mod.parse_signals, "KILL", "--sig") == \
+        "--sig: SIGKILL cannot be caught (allowed: TERM, USR1, USR2, HUP, or none)"
+
+
+def test_config_numbers_and_flags_as_the_user_types_them():
+    assert config_mod._number(2.0 ** 64) == "2**64" and config_mod._number(2.0 ** 25) == "2**25"
+    assert config_mod._number(2.0 ** 24) == "2**24" and config_mod._number(2.0 ** 23) == "8.38861e+06"
+    assert config_mod._number(1e7) == "1e+07"
+    assert config_mod._number(2147483647) == "2147483647"
+    assert config_mod._flag("early_stop_min_delta") == "--early-stop-min-delta"
+
+
+def test_config_cross_flag_checks(tmp_path):
+    with pytest.raises(UsageError, match="--persistent-workers: needs worker processes"):
+        make_cfg(tmp_path, persistent_workers=True)
+    with pytest.raises(UsageError, match="--prefetch-factor: needs worker processes"):
+        make_cfg(tmp_path, prefetch_factor=2)
+    assert make_cfg(tmp_path, num_workers=1, persistent_workers=True, prefetch_factor=2).num_workers == 1
+    cfg = make_cfg(tmp_path, fast_dev_run=True, epochs=3)
+    assert (cfg.max_steps, cfg.limit_train_batches, cfg.limit_val_batches) == (1, "1", "1")
+    with pytest.raises(UsageError) as e:
+        make_cfg(tmp_path, optimizer_impl="fused", optimizer="sgd", precision="16-mixed")
+    assert str(e.value).startswith("--optimizer-impl: ") and str(e.value).endswith(
+        "(allowed: foreach, for-loop, or --optimizer adamw)")
+    assert make_cfg(tmp_path, optimizer_impl="fused", optimizer="adamw", precision="16-mixed").optimizer_impl == "fused"
+    assert make_cfg(tmp_path, optimizer_impl="foreach", optimizer="sgd", precision="16-mixed").optimizer == "sgd"
