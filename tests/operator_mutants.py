@@ -350,7 +350,7 @@ def main(argv=None) -> int:
             copies.append(copy)
         todo = [m for m in chosen if m["id"] not in results and m["id"] not in equiv
                 and (not args.rerun_survivors or m["id"] in survivors)]
-        known = results.pop("__baseline__", {}) if args.reuse and not args.rerun_survivors else {}
+        known = results.pop("__baseline__", {}) if args.reuse else {}
         results.pop("__baseline__", None)
         needed = {g: t for g, t in ((m["group"], groups[m["group"]]) for m in todo)
                   if known.get(g, {}).get("tests") != t}

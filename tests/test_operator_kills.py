@@ -133,6 +133,8 @@ def test_tune_read_metrics_keeps_the_clean_intervals_and_the_later_evaluations(t
     assert trials.read_metrics(write_metrics(tmp_path / "c", two), 1)["eval_s"] == 0.25  # the first left out
     one = [(1, "train", 1.0), (1, "val", 1.5), (2, "train", 2.0)]
     assert trials.read_metrics(write_metrics(tmp_path / "d", one), 1)["eval_s"] == 0.5  # the only one kept
+    flat = [(s, "train", 1.0) for s in range(1, 5)]  # no time between the rows (metrics.csv's ms rounding)
+    assert "sample_s" not in trials.read_metrics(write_metrics(tmp_path / "e", flat), 1)
     assert trials._spread([1.0, 2.0, 4.0]) == 0.0 and trials._spread([1.0, 1.0, 4.0, 4.0, 4.0]) > 0
 
 
