@@ -247,7 +247,10 @@ def _distance(ta: dict, tb: dict, step: int) -> dict:
         wa, wb = (torch.load(t["full"][step], weights_only=True) for t in (ta, tb))
         return {k: ((wa[k] - wb[k]).abs().max().item() if wa[k].numel() else 0.0, True) for k in wa}
     ca, cb = ta["steps"][step]["checksums"], tb["steps"][step]["checksums"]
-    return {k: (max(abs(x - y) for x, y in zip(ca[k], cb[k])), False) for k in ca}
+    # a NaN must win the max: Python's max keeps what came first when a comparison with NaN is False, so a NaN
+    # after a finite difference would be dropped and a run gone non-finite there judged equal
+    return {k: (max((abs(x - y) for x, y in zip(ca[k], cb[k])), key=lambda d: (math.isnan(d), d)), False)
+            for k in ca}
 
 
 def _loss_parts(la, lb) -> bool:

@@ -1,0 +1,476 @@
+"""Tests owed to operator mutants (tests/operator_mutants.py, docs/mutants-operators.md): each observes a value that
+a generated mutant changed and no other fast test read. Cheap: no training run, seconds in all."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import make_cfg
+
+from manual_train import optim
+
+
+def lr_curve(tmp_path, total_steps: int, **overrides) -> list:
+    cfg = make_cfg(tmp_path, model="mlp", lr=1.0, **overrides)
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    sched = optim.build_scheduler(cfg, opt, total_steps)
+    out = []
+    for _ in range(total_steps + 2):
+        out.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    return out
+
+
+def test_the_schedule_warms_up_linearly_then_decays_as_a_cosine_to_zero(tmp_path):
+    lrs = lr_curve(tmp_path, 10, warmup_steps=4)
+    assert lrs[:4] == pytest.approx([0.25, 0.5, 0.75, 1.0])
+    assert lrs[4:11] == pytest.approx([0.5 * (1 + math.cos(math.pi * k / 6)) for k in range(7)])
+    assert lrs[11] == pytest.approx(0.0, abs=1e-15)  # past the end: stays at zero
+    const = lr_curve(tmp_path, 10, warmup_steps=2, schedule="constant")
+    assert const[:2] == pytest.approx([0.5, 1.0]) and const[2:] == [1.0] * 10
+    assert lr_curve(tmp_path, 5)[:6] == pytest.approx([0.5 * (1 + math.cos(math.pi * k / 5)) for k in range(6)])
+
+
+# ---------------------------------------------------------------------- tune (manual_train/tune/search.py)
+from manual_train.tune import search  # noqa: E402
+from manual_train.tune.search import Setup, Trial  # noqa: E402
+
+
+def test_tune_setup_flag_reads_its_own_flag_not_the_first():
+    setup = Setup(1, 1, 8, flags=(("--a", "1"), ("--b", "2"), ("--c", None)))
+    assert setup.flag("--b") == "2" and setup.flag("--a") == "1" and setup.flag("--c", "x") is None
+    assert setup.flag("--d", "x") == "x"
+
+
+def test_tune_set_replaces_or_appends_a_flag():
+    assert search._set(["--x", "1"], "--y", 2) == ["--x", "1", "--y", "2"]
+    assert search._set(["--y", "1", "--x", "1"], "--y", 2) == ["--y", "2", "--x", "1"]
+    assert search._set(["--y=1"], "--y", 3) == ["--y=3"]
+    assert search._set(["--a"], "--s", None) == ["--a", "--s"] and search._set(["--s"], "--s", None) == ["--s"]
+
+
+def test_tune_estimate_before_and_after_a_trial_of_that_kind():
+    state = search._Search(run=None, clock=lambda: 0.0, budget_s=100.0, trial_s=5.0, progress=lambda text: None)
+    state.trials = [Trial(ok=True, wall_s=10.0)]  # the warm-up: 10 s, and a trial trains 5 s more
+    assert state.estimate(Setup(1, 1, 8)) == 15.0
+    assert state.estimate(Setup(2, 1, 4)) == 22.5  # each further process: half as long again (it starts torch)
+    assert state.estimate(Setup(1, 1, 8, flags=(("--compile", "model"),))) == 75.0  # + 60 s guessed for a compile
+    state.walls[(1, "none")] = [12.0, 20.0]  # the last one counts
+    assert state.estimate(Setup(1, 1, 8)) == 20.0 and state.estimate(Setup(4, 1, 2)) == 50.0
+    state.walls[(1, "model")] = [33.0]
+    assert state.estimate(Setup(1, 1, 8, flags=(("--compile", "model"),))) == 33.0
+
+
+def test_tune_command_writes_the_batch_whenever_it_differs_from_the_users():
+    user = ["--model", "mlp"]
+    assert search.command(Setup(1, 1, 64), user, 32)["argv"] == ["python", "launch/single.py", "--model", "mlp",
+                                                                 "--batch-size", "64"]
+    assert search.command(Setup(1, 1, 16), user, 32)["argv"][-2:] == ["--batch-size", "16"]
+    assert search.command(Setup(1, 1, 32), user, 32)["argv"] == ["python", "launch/single.py", "--model", "mlp"]
+    assert search.command(Setup(2, 1, 16), user, 32)["argv"][-2:] == ["--batch-size", "16"]
+    mine = ["--batch-size", "32"]  # the user's own --batch-size is kept (rewritten to the same value)
+    assert search.command(Setup(1, 1, 32), mine, 32)["argv"][-2:] == ["--batch-size", "32"]
+
+
+def test_tune_layouts_split_the_cores_and_the_micro_batch():
+    def layouts(ctx, cur):
+        found, why = search.levers(ctx)[0].options(cur)
+        return [(s.ranks, s.threads, s.batch) for s in found], why
+
+    assert layouts(search.Context(cores=4), Setup(1, 4, 32))[0] == [(2, 2, 16), (4, 1, 8), (1, 2, 32)]
+    assert layouts(search.Context(cores=2), Setup(1, 2, 32))[0] == [(2, 1, 16), (1, 1, 32)]
+    assert layouts(search.Context(cores=1), Setup(1, 1, 32)) == ([], "one core: nothing to split")
+    assert layouts(search.Context(cores=8, gpus=2), Setup(1, 8, 32))[0] == [(2, 4, 16)]
+    assert layouts(search.Context(cores=8, gpus=1), Setup(1, 8, 32)) == ([], "one GPU: one process")
+    assert layouts(search.Context(cores=1, gpus=2), Setup(1, 1, 32))[0] == [(2, 1, 16)]  # never 0 threads
+    assert layouts(search.Context(cores=4), Setup(1, 4, 33)) == (
+        [(1, 2, 33)], "the global micro-batch 33 does not split over 2 or 4 ranks")
+
+
+def test_tune_describe_names_what_differs_from_the_reference():
+    ref = Setup(1, 2, 32, flags=(("--num-workers", "1"),))
+    assert search.describe(Setup(2, 1, 16, flags=(("--num-workers", "1"), ("--static-graph", None))), ref) == \
+        "2 ranks x 1 thread --static-graph"
+    assert search.describe(Setup(1, 2, 64, flags=ref.flags), ref) == "global batch x2"
+    assert search.describe(Setup(1, 1, 32, flags=(("--num-workers", "2"),)), ref) == "1 rank x 1 thread --num-workers 2"
+    assert search.describe(ref, ref) == "(as the reference)"
+
+
+def test_tune_repeat_noise_is_half_the_range_of_the_logs():
+    runs = [Trial(ok=True, sample_s=v) for v in (1.0, 4.0, 2.0)]
+    assert search.repeat_noise(runs) == pytest.approx(math.log(4) / 2)
+    assert search.repeat_noise(runs[:1]) == 0.0 and search.repeat_noise([Trial(ok=False)] * 3) == 0.0
+
+
+def write_metrics(folder, rows, summary=None):
+    folder.mkdir(parents=True, exist_ok=True)
+    lines = ["step,epoch,split,loss,acc,lr,samples_per_s,time_s"]
+    lines += [f"{step},1,{split},1.0,0.5,0.1,100,{t}" for step, split, t in rows]
+    (folder / "metrics.csv").write_text("\n".join(lines) + "\n")
+    if summary is not None:
+        (folder / "summary.json").write_text(__import__("json").dumps(summary))
+    return folder
+
+
+def test_tune_read_metrics_keeps_the_clean_intervals_and_the_later_evaluations(tmp_path):
+    from manual_train.tune import trials
+
+    rows = [(1, "train", 1.0), (2, "train", 2.0), (3, "train", 3.0), (3, "val", 3.5), (4, "train", 4.5),
+            (5, "train", 5.5), (6, "train", 9.5), (6, "val", 10.0), (7, "train", 11.0), (8, "train", 12.0),
+            (8, "val", 12.25)]
+    out = trials.read_metrics(write_metrics(tmp_path / "a", rows, {"compile_s": 12.5, "peak_mem_bytes": 100}), 8)
+    # intervals 1, 1, (an evaluation inside), 1, 4 (over twice the median: left out), (evaluation), 1
+    assert out["sample_s"] == 4 / 4 / 8 and out["noise"] == pytest.approx(math.log(4) / 4)
+    assert out["eval_s"] == 0.375 and out["eval_noise"] == 0.0  # the first evaluation (0.5 s) left out
+    assert out["compile_s"] == 12.5 and out["peak_mem_bytes"] == 100
+    fast = [(s, "train", 0.1 * s) for s in range(1, 6)]  # 0.4 s in all: still timed
+    out = trials.read_metrics(write_metrics(tmp_path / "b", fast), 2)
+    assert out["sample_s"] == pytest.approx(0.05) and "eval_s" not in out
+    assert out["compile_s"] == 0.0 and out["peak_mem_bytes"] is None
+    two = [(1, "train", 1.0), (1, "val", 1.5), (2, "train", 2.0), (2, "val", 2.25)]
+    assert trials.read_metrics(write_metrics(tmp_path / "c", two), 1)["eval_s"] == 0.25  # the first left out
+    one = [(1, "train", 1.0), (1, "val", 1.5), (2, "train", 2.0)]
+    assert trials.read_metrics(write_metrics(tmp_path / "d", one), 1)["eval_s"] == 0.5  # the only one kept
+    flat = [(s, "train", 1.0) for s in range(1, 5)]  # no time between the rows (metrics.csv's ms rounding)
+    assert "sample_s" not in trials.read_metrics(write_metrics(tmp_path / "e", flat), 1)
+    assert trials._spread([1.0, 2.0, 4.0]) == 0.0 and trials._spread([1.0, 1.0, 4.0, 4.0, 4.0]) > 0
+
+
+def test_tune_last_line_prefers_an_error_line(tmp_path):
+    from manual_train.tune import trials
+
+    log = tmp_path / "log"
+    log.write_text("start\nerror: --x: bad\nmore\n")
+    assert trials._last_line(log) == "error: --x: bad"
+    log.write_text("start\n\ndone: 3 steps\n\n")
+    assert trials._last_line(log) == "done: 3 steps"
+    log.write_text("\n")
+    assert trials._last_line(log) == "(no output)"
+
+
+def test_tune_machine_reads_cores_memory_and_flags():
+    import os
+
+    from manual_train.tune import trials
+
+    meminfo = open("/proc/meminfo").read()
+    total = next(int(ln.split()[1]) for ln in meminfo.splitlines() if ln.startswith("MemTotal:")) * 1024
+    cpu_flags = set(next(ln.split(":", 1)[1].split() for ln in open("/proc/cpuinfo") if ln.startswith("flags")))
+    before = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, {min(before)})  # this process's cores, not the machine's
+        info = trials.machine(False)
+    finally:
+        os.sched_setaffinity(0, before)
+    assert info["cores"] == 1 and info["memory_bytes"] == total and info["gpus"] == []
+    assert set(info["cpu_flags"]) == set(trials.FLAGS_OF_INTEREST) & cpu_flags
+    assert info["fast_bf16"] == bool({"avx512_bf16", "amx_bf16"} & cpu_flags)
+
+
+# ---------------------------------------------------------------------- parity (manual_train/parity.py)
+from manual_train import parity  # noqa: E402
+
+
+class Tiny(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 2).double()
+        self.register_buffer("count", torch.zeros(2, dtype=torch.int64))  # not floating: not traced
+
+
+def test_parity_record_writes_every_floating_tensor_by_plain_name_and_loads_back(tmp_path):
+    torch.manual_seed(0)
+    model = Tiny()
+    for step in range(4):
+        parity.record(model, step, tmp_path / "t", loss=torch.tensor(0.5 * step) if step else None)
+        with torch.no_grad():
+            model.lin.weight.add_(0.25)
+    trace = parity.load_trace(tmp_path / "t", "--trace-a")
+    assert sorted(trace["steps"]) == [0, 1, 2, 3] == sorted(trace["full"])  # a small model: full state every step
+    assert trace["meta"]["dtypes"] == ["float64"] and trace["meta"]["full_every"] == 1
+    assert [trace["steps"][s]["loss"] for s in range(4)] == [None, 0.5, 1.0, 1.5]
+    assert set(trace["steps"][2]["checksums"]) == {"lin.weight", "lin.bias"}
+    w = torch.load(trace["full"][2], weights_only=True)["lin.weight"]
+    assert torch.equal(w, model.lin.weight.detach() - 0.5)
+    assert trace["steps"][2]["checksums"]["lin.weight"] == parity.checksums(w)
+
+
+@pytest.mark.parametrize("numbers,every", [(parity.FULL_EVERY_ELEMENTS, 1), (parity.FULL_EVERY_ELEMENTS + 1, 50)])
+def test_parity_full_state_every_step_up_to_a_million_numbers(tmp_path, numbers, every):
+    writer = parity.TraceWriter(tmp_path, {})
+    state = {"w": torch.zeros(numbers, dtype=torch.float32)}
+    for step in (0, 1):
+        writer.write(step, state)
+    assert writer.full_every == every
+    assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == \
+        ["step-00000000.pt", "step-00000001.pt"][:1 if every > 1 else 2]
+
+
+def test_parity_nudge_moves_every_parameter_one_ulp_up():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    parity.nudge_one_ulp(model)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, torch.nextafter(before[k], torch.full_like(v, math.inf)))
+
+
+def test_parity_run_trace_records_each_steps_own_losses(tmp_path):
+    from types import SimpleNamespace
+
+    model = Tiny()
+    cfg = make_cfg(tmp_path, model="mlp")
+    cfg.trace_dir = str(tmp_path / "t")
+    run = SimpleNamespace(script="single", env=SimpleNamespace(world_size=1, master_process=True), replicas=1,
+                          global_batch_size=8, total_steps=4, cfg=cfg, tracked={"model": model}, distributed=False)
+    trace = parity.RunTrace(run)
+    trace.start(0)
+    losses = [torch.tensor(1.0), torch.tensor(2.0)]
+    trace.stepped(losses)  # step 1: both
+    losses.append(torch.tensor(4.0))
+    trace.stepped(losses)  # step 2: only the one added since
+    trace.window_logged()  # the loop starts a new list
+    trace.stepped([torch.tensor(5.0)])
+    loaded = parity.load_trace(tmp_path / "t", "--a")
+    assert {s: e["loss"] for s, e in loaded["steps"].items()} == {0: None, 1: 3.0, 2: 4.0, 3: 5.0}
+    assert loaded["meta"]["total_steps"] == 4 and loaded["meta"]["start_step"] == 0
+
+
+def test_parity_refusal_names_the_step_flags_that_differ():
+    config = {name: 1 for name in parity.SAME_FLAGS}
+    a = {"config": {**config, "epochs": 2, "max_steps": None, "limit_train_batches": None}, "global_batch_size": 8,
+         "total_steps": 10}
+    b = {"config": {**config, "epochs": 3, "max_steps": None, "limit_train_batches": None}, "global_batch_size": 8,
+         "total_steps": 15}
+    assert parity.refusal(a, b) == "the number of optimizer steps differs: 10 (A) vs 15 (B) (--epochs 2 (A) vs 3 (B))"
+    assert parity.refusal(a, dict(a)) is None
+
+
+def trace_of(names, values, precision="64-true"):
+    steps = {s: {"step": s, "loss": 1.0, "checksums": {n: list(v) for n in names}} for s, v in values.items()}
+    return {"dir": None, "meta": {"precision": precision}, "steps": steps, "full": {}}
+
+
+def test_parity_different_tensors_are_refused_naming_three_of_each():
+    v = {0: [0.0] * 7}
+    with pytest.raises(parity.BadInput) as e:
+        parity.compare(trace_of(["a", "b", "c", "d", "x"], v), trace_of(["x", "y"], v))
+    assert str(e.value) == "the traces hold different tensors: only in A ['a', 'b', 'c'], only in B ['y']"
+
+
+def test_parity_floor_mode_bounds_b_by_ten_floors_and_needs_every_step():
+    base = {s: [0.5] * 7 for s in range(3)}
+    floor = trace_of(["w"], {s: [0.5 + 1e-6 * (s + 1)] + [0.5] * 6 for s in range(3)}, "32-true")
+    a = trace_of(["w"], base, "32-true")
+    near = trace_of(["w"], {s: [0.5 + 5e-6 * (s + 1)] + [0.5] * 6 for s in range(3)}, "32-true")
+    status, report = parity.compare(a, near, floor=floor)
+    assert status == 0 and report.startswith("equal within 10 x the fp32 noise floor over 3 steps")
+    far = trace_of(["w"], {s: [0.5 + 2e-5 * (s + 1)] + [0.5] * 6 for s in range(3)}, "32-true")
+    status, report = parity.compare(a, far, floor=floor)
+    assert status == 1 and report.startswith("parted at optimizer step 0")
+    short = trace_of(["w"], {0: [0.5] * 7}, "32-true")
+    with pytest.raises(parity.BadInput, match="--trace-floor"):
+        parity.compare(a, near, floor=short)
+    assert parity.compare(a, far)[1].startswith("no verdict")  # 32-true without a floor
+
+
+def test_parity_report_names_the_largest_difference_and_ends_its_table_at_the_last_step():
+    base = {s: [0.5] * 7 for s in range(4)}
+    b = {s: list(v) for s, v in base.items()}
+    b[2][3] = 0.5 + 2.0 ** -34
+    status, report = parity.compare(trace_of(["w"], base), trace_of(["w"], b))
+    assert status == 0 and "largest weight difference 5.82e-11 (w, step 2)" in report
+    n = 258  # a table that reaches its last row through the doubling steps (1 + 256 = 257, the last step)
+    base = {s: [0.5] * 7 for s in range(n)}
+    b = {s: [0.5 + (1e-3 if s >= 1 else 0.0)] + [0.5] * 6 for s in range(n)}
+    status, report = parity.compare(trace_of(["w"], base), trace_of(["w"], b))
+    table = [ln.split()[0] for ln in report.splitlines()[3:] if ln.split()[0].isdigit()]
+    assert status == 1 and table == ["1", "2", "3", "5", "9", "17", "33", "65", "129", "257"]
+
+
+def test_parity_free_port_and_last_line(tmp_path):
+    port = parity._free_port()
+    assert isinstance(port, int) and 1024 <= port <= 65535
+    log = tmp_path / "a.log"
+    log.write_text("x\nerror: --a: bad\nTraceback\n")
+    assert parity._last_line(log) == "error: --a: bad"
+    log.write_text("one\ntwo\n")
+    assert parity._last_line(log) == "two"
+
+
+def test_tune_half_the_range_between_rounds_is_the_noise():
+    ref = [Trial(ok=True, sample_s=1.0)] * 2
+    winner, verdicts = search.decide(ref, {"a": [Trial(ok=True, sample_s=v) for v in (0.7, 0.9)]})
+    assert winner == "a" and verdicts["a"]["noise"] == pytest.approx(math.sqrt(0.9 / 0.7) - 1)
+
+
+def test_tune_batch_lever_scales_the_lr_by_the_optimizers_rule():
+    sgd = "".join(["s", "gd"])  # as argparse hands it over: not the interned literal
+    for optimizer, rule in ((sgd, "linear"), ("adamw", "sqrt")):
+        ctx = search.Context(cores=2, optimizer=optimizer, train_samples=1500)
+        found, _ = next(lv for lv in search.levers(ctx) if lv.name == "batch-size").options(Setup(1, 2, 32))
+        assert [(s.batch, s.flag("--lr-scaling"), s.flag("--base-batch-size")) for s in found] == \
+            [(64, rule, "32"), (128, rule, "32")]
+
+
+def test_tune_a_one_time_cost_counts_only_for_a_lever_that_pays_once():
+    ref = [Trial(ok=True, sample_s=1.0)]
+    slow_compile = [Trial(ok=True, sample_s=0.5, compile_s=80.0)]
+    assert search.decide(ref, {"a": slow_compile}, run_samples=100)[0] == "a"  # not pays_once: its speed alone
+    _, verdicts = search.decide(ref, {"a": slow_compile}, pays_once=True, run_samples=100)
+    assert verdicts["a"]["verdict"] == "does not pay back"  # saves 50 s, costs 80 s
+
+
+def test_tune_the_warm_up_is_round_0_of_the_reference():
+    now = [0.0]
+
+    def run(setup, limit, lever):
+        now[0] += 1.0
+        return Trial(ok=True, sample_s=1e-3)
+
+    result = search.search([], Setup(1, 1, 8), run, budget_s=100.0, trial_s=1.0, clock=lambda: now[0])
+    first = result.trials[0]
+    assert (first.lever, first.label, first.round, first.wall_s) == ("warm-up", "reference", 0, 1.0)
+
+
+def test_tune_a_trial_past_the_budget_gets_no_time_not_a_negative_limit():
+    now, limits = [0.0], []
+
+    def run(setup, limit, lever):
+        limits.append(limit)
+        return Trial(ok=True, sample_s=1e-3)
+
+    state = search._Search(run, lambda: now[0], budget_s=100.0, trial_s=5.0, progress=lambda text: None)
+    now[0] = 150.0  # 50 s over the budget
+    state.measure(Setup(1, 1, 8), "warm-up", "reference", 0)
+    now[0] = 40.0
+    state.measure(Setup(1, 1, 8), "warm-up", "reference", 0)
+    assert limits == [0.0, 60.0]
+
+
+def test_tune_one_lever_runs_interleaved_rounds_and_keeps_the_faster():
+    now = [0.0]
+
+    def run(setup, limit, lever):
+        now[0] += 1.0
+        return Trial(ok=True, sample_s=0.5 if setup.flag("--optimizer-impl") == "foreach" else 1.0)
+
+    lever = [lv for lv in search.levers(search.Context(cores=2)) if lv.name == "optimizer-impl"]
+    result = search.search(lever, Setup(1, 2, 8), run, budget_s=100.0, trial_s=1.0, clock=lambda: now[0])
+    seen = [(t.lever, t.label, t.round) for t in result.trials]
+    impl = "optimizer-impl"
+    one = [(impl, "current", 1), (impl, "--optimizer-impl foreach", 1), (impl, "--optimizer-impl for-loop", 1)]
+    assert seen == [("warm-up", "reference", 0), *one, *[(a, b, 2) for a, b, _ in one]]
+    decision = result.decisions[0]
+    assert (decision["status"], decision["chosen"], decision["flags"]) == (
+        "kept", "--optimizer-impl foreach", ["--optimizer-impl foreach"])
+    assert result.best == Setup(1, 2, 8, flags=(("--optimizer-impl", "foreach"),))
+
+
+# ---------------------------------------------------------------------- early stopping, the optimizer
+from manual_train.early_stopping import EarlyStopping  # noqa: E402
+
+
+def test_early_stop_a_smaller_patience_after_resume_stops_at_the_next_evaluation():
+    es = EarlyStopping(patience=2)
+    es.load_state_dict({"monitor": "val_loss", "best": 1.0, "best_epoch": 0, "wait": 5, "should_stop": False,
+                        "reason": ""})
+    assert es.update(2.0, 6) is False and es.should_stop and es.wait == 6
+
+
+@pytest.mark.parametrize("mine,theirs", [("val_acc", "val_loss"), ("val_loss", "val_acc")])
+def test_early_stop_another_monitors_state_is_not_taken(mine, theirs):
+    es = EarlyStopping(mine)
+    es.load_state_dict({"monitor": theirs, "best": 0.5, "best_epoch": 3, "wait": 2, "should_stop": False,
+                        "reason": ""})
+    assert es.best == (math.inf if mine == "val_loss" else -math.inf) and es.wait == 0 and es.best_epoch == -1
+
+
+def optimizer_of(tmp_path, **overrides):
+    cfg = make_cfg(tmp_path, model="mlp", **overrides)
+    group = optim.build_optimizer(cfg, [torch.nn.Parameter(torch.zeros(2))], 0.1).param_groups[0]
+    return bool(group.get("foreach")), bool(group.get("fused"))
+
+
+def test_optim_impl_picks_the_kernel_asked_for(tmp_path):
+    assert optimizer_of(tmp_path, optimizer_impl="for-loop") == (False, False)
+    assert optimizer_of(tmp_path, optimizer_impl="foreach") == (True, False)
+    assert optimizer_of(tmp_path, optimizer_impl="fused") == (False, True)
+    assert optimizer_of(tmp_path) == (False, True)  # the default on the CPU: fused
+    assert optimizer_of(tmp_path, optimizer="adamw", optimizer_impl="fused") == (False, True)
+
+
+def test_tune_runner_reports_a_failed_trial_by_its_error_line(tmp_path):
+    from manual_train.tune import trials
+
+    runner = trials.Runner(["--epochs", "zero"], 8, tmp_path, trial_s=1.0, accumulate=1,
+                           steps_per_epoch=lambda setup: 10)
+    trial = runner(Setup(1, 1, 8), 300.0, "warm-up")
+    assert not trial.ok and trial.error.startswith("exit 2: error: --epochs")
+    assert (tmp_path / "trial-001.log").read_text().startswith("error: --epochs")
+
+
+# ---------------------------------------------------------------------- config validation (manual_train/config.py)
+from manual_train import config as config_mod  # noqa: E402
+from manual_train.errors import UsageError  # noqa: E402
+
+
+def test_config_defaults_are_the_documented_ones():
+    """The values every run gets without a flag (README, DESIGN.md's CLI contract, docs): a changed default changes
+    every user's run silently."""
+    cfg = config_mod.Config()
+    assert (cfg.epochs, cfg.accumulate, cfg.lr, cfg.base_batch_size, cfg.num_workers) == (10, 1, 0.05, 32, 0)
+    assert (cfg.synthetic_size, cfg.early_stop_min_delta, cfg.summary_depth, cfg.compile) == (2048, 0.0, 1, "none")
+    assert cfg.train_acc is True and cfg.tensorboard is False and cfg.out_dir is None and cfg.val_every_steps is None
+
+
+def refused(fn, *args) -> str:
+    with pytest.raises(UsageError) as e:
+        fn(*args)
+    return str(e.value)
+
+
+def test_config_parsers_take_the_boundaries_and_refuse_past_them():
+    assert config_mod.parse_duration("90", "--max-time") == 90.0
+    assert config_mod.parse_duration("01:02:03:04", "--max-time") == 86400 + 2 * 3600 + 3 * 60 + 4
+    assert config_mod.parse_duration(None, "--max-time") is None
+    assert refused(config_mod.parse_duration, "1:2:3:4:5", "--max-time").startswith("--max-time: '1:2:3:4:5' is not")
+    assert config_mod.parse_window("0:1", "--w") == (0, 1)
+    assert refused(config_mod.parse_window, "3:3", "--w").startswith("--w: '3:3' is not a window")
+    assert refused(config_mod.parse_window, "1:2:3", "--w").startswith("--w: ")
+    assert config_mod.parse_shape("1,1,1", "--s") == (1, 1, 1)
+    assert refused(config_mod.parse_shape, "1,1", "--s") == \
+        "--s: '1,1' is not three positive integers (allowed: C,H,W such as 3,32,32)"
+    assert refused(config_mod.parse_shape, "1,0,1", "--s").startswith("--s: '1,0,1'")
+    assert config_mod.parse_limit(None, "--l") is None and config_mod.parse_limit("1", "--l") == 1
+    assert config_mod.parse_limit("1.0", "--l") == 1.0 and config_mod.parse_limit("0.5", "--l") == 0.5
+    assert refused(config_mod.parse_limit, "0", "--l").startswith("--l: 0 is out of range")
+    assert refused(config_mod.parse_limit, "1.5", "--l").startswith("--l: 1.5 is out of range")
+    assert refused(config_mod.parse_signals, "KILL", "--sig") == \
+        "--sig: SIGKILL cannot be caught (allowed: TERM, USR1, USR2, HUP, or none)"
+
+
+def test_config_numbers_and_flags_as_the_user_types_them():
+    assert config_mod._number(2.0 ** 64) == "2**64" and config_mod._number(2.0 ** 25) == "2**25"
+    assert config_mod._number(2.0 ** 24) == "2**24" and config_mod._number(2.0 ** 23) == "8.38861e+06"
+    assert config_mod._number(1e7) == "1e+07"
+    assert config_mod._number(2147483647) == "2147483647"
+    assert config_mod._flag("early_stop_min_delta") == "--early-stop-min-delta"
+
+
+def test_config_cross_flag_checks(tmp_path):
+    with pytest.raises(UsageError, match="--persistent-workers: needs worker processes"):
+        make_cfg(tmp_path, persistent_workers=True)
+    with pytest.raises(UsageError, match="--prefetch-factor: needs worker processes"):
+        make_cfg(tmp_path, prefetch_factor=2)
+    assert make_cfg(tmp_path, num_workers=1, persistent_workers=True, prefetch_factor=2).num_workers == 1
+    cfg = make_cfg(tmp_path, fast_dev_run=True, epochs=3)
+    assert (cfg.max_steps, cfg.limit_train_batches, cfg.limit_val_batches) == (1, "1", "1")
+    with pytest.raises(UsageError) as e:
+        make_cfg(tmp_path, optimizer_impl="fused", optimizer="sgd", precision="16-mixed")
+    assert str(e.value).startswith("--optimizer-impl: ") and str(e.value).endswith(
+        "(allowed: foreach, for-loop, or --optimizer adamw)")
+    assert make_cfg(tmp_path, optimizer_impl="fused", optimizer="adamw", precision="16-mixed").optimizer_impl == "fused"
+    assert make_cfg(tmp_path, optimizer_impl="foreach", optimizer="sgd", precision="16-mixed").optimizer == "sgd"
