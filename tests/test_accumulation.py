@@ -19,18 +19,17 @@ def train_weights(tmp_path, name, **flags):
     return load_model_state(tmp_path / name), summary
 
 
-@pytest.fixture(scope="module")
-def big_2_epochs(tmp_path_factory):
-    """Batch 64, 2 epochs of digits, 64-true, in this process: the reference of the 2-epoch pair, the ÷K variant and
-    the CLI pair (one run, not three)."""
-    return train_weights(tmp_path_factory.mktemp("big"), "big", batch_size=64, epochs=2, precision="64-true")
+@pytest.fixture
+def big_2_epochs(reference):
+    """Batch 64, 2 epochs of digits, 64-true, in this process (conftest's reference: computed once per pytest run):
+    the reference of the 2-epoch pair, the ÷K variant and the CLI pair (one run, not three)."""
+    return reference(batch_size=64, epochs=2, precision="64-true")
 
 
 @pytest.mark.parametrize("epochs", [2, 3])
-def test_16_x_4_equals_64(tmp_path, epochs, request):
+def test_16_x_4_equals_64(tmp_path, epochs, reference):
     # 1500 samples: 23 windows of 64, then a last window of 28 = 16 + 12 (micro-batches 93 and 94)
-    big, s_big = (request.getfixturevalue("big_2_epochs") if epochs == 2 else
-                  train_weights(tmp_path, "big", batch_size=64, epochs=epochs, precision="64-true"))
+    big, s_big = reference(batch_size=64, epochs=epochs, precision="64-true")
     acc, s_acc = train_weights(tmp_path, "acc", batch_size=16, accumulate=4, epochs=epochs, precision="64-true")
     assert s_acc["optimizer_steps"] == s_big["optimizer_steps"] == 24 * epochs
     assert s_acc["global_batch_size"] == 64 and s_acc["samples_seen"] == 1500 * epochs
