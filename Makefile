@@ -81,10 +81,11 @@ test-slurm: $(VENV)/.installed
 mutants: $(VENV)/.installed
 	$(PY) tests/run_mutants.py
 
-# The site needs no torch and no install of the package (it runs from the tree): setup.cfg's `site` extra alone.
+# The site needs no torch and no install of the package (it runs from the tree): setup.cfg's `site` extra alone, read
+# from setup.cfg (one list of its packages).
 $(VENV)/.installed-site: setup.cfg setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet 'jinja2>=3.1' 'pygments>=2.15' 'markdown>=3.5'
+	$(PY) -m pip install --quiet $$($(PY) -c "import configparser; c = configparser.ConfigParser(); c.read('setup.cfg'); print(c['options.extras_require']['site'])")
 	touch $@
 
 site: $(VENV)/.installed-site
