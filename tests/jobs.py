@@ -162,6 +162,7 @@ def _rank_entry(rank: int, scenario_fn: Callable, world_size: int, store_ports: 
     torch.set_num_threads(1)  # as torchrun sets OMP_NUM_THREADS=1: several ranks share 2 cores
     stack_file = open(Path(out_dir) / "stacks" / f"{os.getpid()}.txt", "w")
     faulthandler.register(STACK_SIGNAL, file=stack_file, all_threads=True)  # the watcher's dump of a hung job
+    faulthandler.enable(file=stack_file, all_threads=True)  # a crash (SIGSEGV, SIGABRT) leaves its stacks there too
     results = {}
     for name, port in zip(scenarios, store_ports):
         os.environ["MASTER_PORT"] = str(port)
@@ -170,6 +171,23 @@ def _rank_entry(rank: int, scenario_fn: Callable, world_size: int, store_ports: 
     (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(results))
     usage = resource.getrusage(resource.RUSAGE_SELF)  # (a forked rank's CPU never reaches the test's RUSAGE_CHILDREN)
     (Path(out_dir) / f"rank{rank}.cpu").write_text(str(usage.ru_utime + usage.ru_stime))
+
+
+def _joined(context, out_dir: Path, world_size: int) -> bool:
+    """context.join(timeout=2); a rank that died of a signal (a crash, not a Python exception: SIGSEGV, SIGABRT)
+    fails the job with the scenario it was in and the stacks faulthandler wrote as it died."""
+    try:
+        return context.join(timeout=2)
+    except tmp_mp.ProcessExitedException as died:
+        rank, pid = died.error_index, died.error_pid
+        at = out_dir / f"rank{rank}.at"
+        done = (out_dir / f"rank{rank}.json").exists()
+        stacks = (out_dir / "stacks" / f"{pid}.txt")
+        dump = stacks.read_text().strip() if stacks.exists() else ""
+        raise type(died)(f"{died} (rank {rank}, pid {pid}, "
+                         f"{'after its last scenario' if done else 'in scenario ' + repr(at.read_text() if at.exists() else '-')})"
+                         f"\n{dump or '(no stack written)'}", died.error_index, died.error_pid, died.exit_code,
+                         died.signal_name) from None
 
 
 def run_job(scenario_fn: Callable, world_size: int, out_dir: Path, scenarios: list, preload: list,
@@ -190,7 +208,7 @@ def run_job(scenario_fn: Callable, world_size: int, out_dir: Path, scenarios: li
                                                             str(out_dir), scenarios),
                                          nprocs=world_size, join=False, start_method="forkserver")
         watch = Watch(context.pids(), deadline_s, idle_s)
-        while not context.join(timeout=2):  # raises if a rank failed (after ending the others)
+        while not _joined(context, out_dir, world_size):  # raises if a rank failed (after ending the others)
             why = watch.check()
             if why:
                 at = [(out_dir / f"rank{r}.at").read_text() if (out_dir / f"rank{r}.at").exists() else "-"
