@@ -380,6 +380,20 @@ def test_early_stop_a_smaller_patience_after_resume_stops_at_the_next_evaluation
     assert es.update(2.0, 6) is False and es.should_stop and es.wait == 6
 
 
+def test_early_stop_reasons_name_the_epoch_as_the_user_counts_it():
+    """Epochs count from 1 in every line a user reads (the progress bar, metrics.csv's epoch column is 0-based)."""
+    es = EarlyStopping("val_acc", patience=0, stop_at=0.9)
+    es.update(0.5, 0)
+    es.update(0.95, 2)
+    assert es.reason == "target reached: val_acc 0.9500 at epoch 3 (--stop-at 0.9)"
+    es = EarlyStopping(patience=1)
+    es.update(float("nan"), 4)
+    assert es.reason == "val_loss is nan at epoch 5"
+    es = EarlyStopping(patience=2, min_delta=0.1)
+    es.update(1.0, 0), es.update(0.95, 1), es.update(0.99, 2)
+    assert es.reason == "val_loss did not improve by more than 0.1 for 2 evaluations (best 1.0000 at epoch 1)"
+
+
 @pytest.mark.parametrize("mine,theirs", [("val_acc", "val_loss"), ("val_loss", "val_acc")])
 def test_early_stop_another_monitors_state_is_not_taken(mine, theirs):
     es = EarlyStopping(mine)
@@ -400,6 +414,9 @@ def test_optim_impl_picks_the_kernel_asked_for(tmp_path):
     assert optimizer_of(tmp_path, optimizer_impl="fused") == (False, True)
     assert optimizer_of(tmp_path) == (False, True)  # the default on the CPU: fused
     assert optimizer_of(tmp_path, optimizer="adamw", optimizer_impl="fused") == (False, True)
+    # 16-mixed SGD: the default falls back to foreach (config.SCALER_SKIPS_FUSED_SGD), AdamW stays fused
+    assert optimizer_of(tmp_path, precision="16-mixed") == (True, False)
+    assert optimizer_of(tmp_path, precision="16-mixed", optimizer="adamw") == (False, True)
 
 
 def test_tune_runner_reports_a_failed_trial_by_its_error_line(tmp_path):
@@ -426,9 +443,9 @@ def test_config_defaults_are_the_documented_ones():
     assert cfg.train_acc is True and cfg.tensorboard is False and cfg.out_dir is None and cfg.val_every_steps is None
 
 
-def refused(fn, *args) -> str:
+def refused(fn, *args, **kwargs) -> str:
     with pytest.raises(UsageError) as e:
-        fn(*args)
+        fn(*args, **kwargs)
     return str(e.value)
 
 
@@ -458,6 +475,21 @@ def test_config_numbers_and_flags_as_the_user_types_them():
     assert config_mod._number(1e7) == "1e+07"
     assert config_mod._number(2147483647) == "2147483647"
     assert config_mod._flag("early_stop_min_delta") == "--early-stop-min-delta"
+
+
+def test_config_lower_bounds_refuse_the_first_value_past_them(tmp_path):
+    """The bounds arg() declares, at the edge: --base-batch-size 0 would divide --lr by zero (--lr-scaling), and a
+    --grad-clip of 0 would zero every gradient (its bound is exclusive)."""
+    assert make_cfg(tmp_path, base_batch_size=1).base_batch_size == 1
+    assert refused(make_cfg, tmp_path, base_batch_size=0).startswith("--base-batch-size: 0 ")
+    assert make_cfg(tmp_path, grad_clip=1e-12).grad_clip == 1e-12
+    assert refused(make_cfg, tmp_path, grad_clip=0.0) == "--grad-clip: 0.0 is out of range (allowed: > 0)"
+
+
+@pytest.mark.parametrize("name", ["tpu", "amd", "cud", "cuda0"])  # after and before "cuda" in sort order
+def test_config_an_unknown_device_name_is_named_as_unknown(name):
+    assert refused(config_mod.check_device_name, name, "--device") == \
+        f"--device: unknown device {name!r} (allowed: auto, cpu, cuda, cuda:N)"
 
 
 def test_config_cross_flag_checks(tmp_path):
