@@ -492,6 +492,16 @@ def test_config_an_unknown_device_name_is_named_as_unknown(name):
         f"--device: unknown device {name!r} (allowed: auto, cpu, cuda, cuda:N)"
 
 
+def test_config_a_cuda_device_past_the_hosts_is_refused():
+    """Host-dependent: without CUDA every cuda name is refused as unavailable; with n devices, cuda:n is refused."""
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    line = refused(config_mod.check_device_name, f"cuda:{n}", "--device")
+    assert line == (f"--device: cuda:{n} requested but only {n} CUDA device(s) exist (allowed: auto, cpu, cuda, cuda:N)"
+                    if n else "--device: cuda:0 requested but CUDA is not available on this machine (allowed: auto, cpu)")
+    if n:
+        config_mod.check_device_name(f"cuda:{n - 1}", "--device")  # the last one is taken
+
+
 def test_config_cross_flag_checks(tmp_path):
     with pytest.raises(UsageError, match="--persistent-workers: needs worker processes"):
         make_cfg(tmp_path, persistent_workers=True)
@@ -506,3 +516,35 @@ def test_config_cross_flag_checks(tmp_path):
         "(allowed: foreach, for-loop, or --optimizer adamw)")
     assert make_cfg(tmp_path, optimizer_impl="fused", optimizer="adamw", precision="16-mixed").optimizer_impl == "fused"
     assert make_cfg(tmp_path, optimizer_impl="foreach", optimizer="sgd", precision="16-mixed").optimizer == "sgd"
+
+
+@pytest.mark.parametrize("argv,line", [
+    (["--optimizer", "x"], "error: --optimizer: invalid choice: 'x' (allowed: 'sgd', 'adamw')"),
+    (["--epoch", "3"], "error: --epoch: unknown flag or stray argument '--epoch 3' (see --help)"),  # no abbreviations
+])
+def test_config_parse_errors_are_the_one_line_the_user_reads(argv, line, capsys):
+    with pytest.raises(SystemExit) as e:
+        config_mod.parse_config(argv=argv)
+    assert e.value.code == 2 and capsys.readouterr().err == line + "\n"
+
+
+# ---------------------------------------------------------------------- data (manual_train/data.py)
+from manual_train import data as data_mod  # noqa: E402
+
+
+def test_data_digits_pixels_span_minus_one_to_one_and_the_split_is_1500_297():
+    train, val = data_mod.load_digits_split()
+    x = torch.cat([train.tensors[0], val.tensors[0]])
+    assert (len(train), len(val)) == (1500, 297) and x.shape[1:] == (1, 8, 8)
+    assert x.min().item() == -1.0 and x.max().item() == 1.0  # scikit-learn's pixels are 0..16
+    assert sorted(set(torch.cat([train.tensors[1], val.tensors[1]]).tolist())) == list(range(10))
+
+
+def test_data_reverse_reads_digits_and_writes_them_reversed_after_bos():
+    ds = data_mod.ReverseDigits(512, seed=3)
+    x, y = ds[0]
+    assert x.shape == (2, 8) and y.shape == (8,)  # the default length
+    src, dec = ds.x[:, 0], ds.x[:, 1]
+    assert sorted(set(src.flatten().tolist())) == list(range(10))  # every digit, nothing else
+    assert torch.equal(ds.y, src.flip(1)) and torch.equal(dec[:, 1:], ds.y[:, :-1])
+    assert (dec[:, 0] == ds.BOS).all() and ds.BOS not in range(10) and ds.BOS == ds.VOCAB - 1  # BOS: the id after the digits
