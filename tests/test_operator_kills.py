@@ -548,3 +548,23 @@ def test_data_reverse_reads_digits_and_writes_them_reversed_after_bos():
     assert sorted(set(src.flatten().tolist())) == list(range(10))  # every digit, nothing else
     assert torch.equal(ds.y, src.flip(1)) and torch.equal(dec[:, 1:], ds.y[:, :-1])
     assert (dec[:, 0] == ds.BOS).all() and ds.BOS not in range(10) and ds.BOS == ds.VOCAB - 1  # BOS: the id after the digits
+
+
+@pytest.mark.parametrize("dataset,flags,sizes,info", [
+    ("digits", {}, (1500, 297), ("digits", (1, 8, 8), 10)),
+    ("synthetic", dict(synthetic_size=40, synthetic_shape="2,3,4", synthetic_classes=5), (40, 10), ("synthetic", (2, 3, 4), 5)),
+    ("synthetic", dict(synthetic_size=3, synthetic_shape="1,4,4", synthetic_classes=2), (3, 1), ("synthetic", (1, 4, 4), 2)),
+    ("reverse", dict(synthetic_size=40), (40, 10), ("reverse", (2, 8), 11)),
+])
+def test_data_each_dataset_is_its_sizes_shapes_and_classes(tmp_path, dataset, flags, sizes, info):
+    """build_datasets' (train, val, info) as the models and the banner read them: val is a quarter of train (at least
+    one sample), drawn from another seed; every sample has info's shape and a label inside its classes."""
+    model = "seq2seq" if dataset == "reverse" else "mlp"
+    train, val, got = data_mod.build_datasets(make_cfg(tmp_path, dataset=dataset, model=model, **flags))
+    assert (len(train), len(val)) == sizes and (got.name, got.input_shape, got.num_classes) == info
+    for ds in (train, val):
+        x, y = ds[len(ds) - 1]
+        assert tuple(x.shape) == info[1] and 0 <= int(torch.as_tensor(y).max()) < info[2]
+    assert not torch.equal(train[0][0], val[0][0])
+    if dataset == "synthetic" and len(train) >= 40:  # the labels cover --synthetic-classes, no more
+        assert {int(train[i][1]) for i in range(len(train))} == set(range(info[2]))
