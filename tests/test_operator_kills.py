@@ -568,3 +568,14 @@ def test_data_each_dataset_is_its_sizes_shapes_and_classes(tmp_path, dataset, fl
     assert not torch.equal(train[0][0], val[0][0])
     if dataset == "synthetic" and len(train) >= 40:  # the labels cover --synthetic-classes, no more
         assert {int(train[i][1]) for i in range(len(train))} == set(range(info[2]))
+
+
+def test_data_loader_pins_by_default_for_cuda_only_and_as_asked_otherwise(tmp_path):
+    """--pin-memory's default: pinned for a CUDA device; never for the CPU, even when asked (a pinned copy there
+    costs a copy and buys nothing). The loader's own attribute, whatever this host has."""
+    ds = torch.utils.data.TensorDataset(torch.zeros(4, 1))
+    pinned = {(name, flag): data_mod.build_loader(ds, make_cfg(tmp_path, pin_memory=flag), torch.device(name),
+                                                  batch_size=2).pin_memory
+              for name in ("cpu", "cuda") for flag in (None, True, False)}
+    assert pinned == {("cpu", None): False, ("cpu", True): False, ("cpu", False): False,
+                      ("cuda", None): True, ("cuda", True): True, ("cuda", False): False}
