@@ -579,3 +579,23 @@ def test_data_loader_pins_by_default_for_cuda_only_and_as_asked_otherwise(tmp_pa
               for name in ("cpu", "cuda") for flag in (None, True, False)}
     assert pinned == {("cpu", None): False, ("cpu", True): False, ("cpu", False): False,
                       ("cuda", None): True, ("cuda", True): True, ("cuda", False): False}
+
+
+# ---------------------------------------------------------------------- metrics.csv (manual_train/metrics.py)
+def test_metrics_a_resume_keeps_the_rows_up_to_its_step_and_drops_the_later_ones(tmp_path):
+    """The crashed run logged steps 1..5 (train and val rows), its checkpoint is at step 3: the resumed log keeps
+    steps 1..3, both splits, in order, and goes on after step 3."""
+    import csv
+
+    from manual_train.metrics import CSV_COLUMNS, RunLog
+
+    with open(tmp_path / "metrics.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
+        w.writeheader()
+        w.writerows({"step": s, "epoch": 0, "split": split} for s in range(1, 6) for split in ("train", "val"))
+    log = RunLog(tmp_path, resume_step=3)
+    assert log.last_step == 3
+    log.close()
+    with open(tmp_path / "metrics.csv", newline="") as f:
+        kept = [(int(r["step"]), r["split"]) for r in csv.DictReader(f)]
+    assert kept == [(s, split) for s in (1, 2, 3) for split in ("train", "val")]
