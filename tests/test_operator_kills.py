@@ -3,6 +3,7 @@ a generated mutant changed and no other fast test read. Cheap: no training run, 
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -599,3 +600,36 @@ def test_metrics_a_resume_keeps_the_rows_up_to_its_step_and_drops_the_later_ones
     with open(tmp_path / "metrics.csv", newline="") as f:
         kept = [(int(r["step"]), r["split"]) for r in csv.DictReader(f)]
     assert kept == [(s, split) for s in (1, 2, 3) for split in ("train", "val")]
+
+
+def test_metrics_tensorboard_gets_each_rows_values_at_its_step(tmp_path, monkeypatch):
+    """RunLog.row's scalars (a recording SummaryWriter: the tensorboard package is an optional extra): loss and acc
+    of each split at the row's step, the learning rate for training rows only."""
+    import sys
+    import types
+
+    from manual_train.metrics import RunLog
+
+    written = []
+    writer = types.SimpleNamespace(add_scalar=lambda tag, value, step: written.append((tag, value, step)),
+                                   close=lambda: None, flush=lambda: None)
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", types.SimpleNamespace(SummaryWriter=lambda d: writer))
+    log = RunLog(tmp_path / "run", tensorboard=True)
+    log.row(step=7, epoch=0, split="train", loss=0.5, acc=0.25, lr=0.1, samples_per_s=1.0, time_s=1.0)
+    log.row(step=9, epoch=0, split="val", loss=0.75, acc=0.125, lr=0.1, samples_per_s=1.0, time_s=2.0)
+    assert written == [("train/loss", 0.5, 7), ("train/acc", 0.25, 7), ("train/lr", 0.1, 7),
+                       ("val/loss", 0.75, 9), ("val/acc", 0.125, 9)]
+
+
+def test_metrics_a_claimed_folder_without_rows_is_discarded_and_one_with_a_row_is_kept(tmp_path):
+    """discard_unstarted_runs: a run that failed before its first row leaves no folder (it would block the next try
+    as "already holds a run"); one row, and the folder is a run's. A metrics.csv cut before its header also goes."""
+    from manual_train import metrics
+
+    started, unstarted, cut = (metrics.RunLog(tmp_path / name) for name in ("started", "unstarted", "cut"))
+    started.row(step=1, epoch=0, split="train", loss=1.0, acc=0.0, lr=0.1, samples_per_s=1.0, time_s=1.0)
+    (tmp_path / "cut" / "metrics.csv").write_text("")
+    metrics.discard_unstarted_runs()  # the runs failed: none was closed (a closed log is a finished run's)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["started"]
+    for log in (started, unstarted, cut):
+        os.close(log._fd)
