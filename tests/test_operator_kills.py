@@ -633,3 +633,11 @@ def test_metrics_a_claimed_folder_without_rows_is_discarded_and_one_with_a_row_i
     assert sorted(p.name for p in tmp_path.iterdir()) == ["started"]
     for log in (started, unstarted, cut):
         os.close(log._fd)
+
+
+def test_data_windows_count_each_micro_batch_and_its_whole_window(tmp_path):
+    """Windows.count on one rank, 10 samples of one target each, micro-batches of 2, windows of 2 micro-batches:
+    the epoch's last window holds what is left (micro-batch 4 alone: 2 samples)."""
+    ds = torch.utils.data.TensorDataset(torch.zeros(10, 1), torch.zeros(10, dtype=torch.long))
+    windows = data_mod.Windows(ds, data_mod.train_sampler(ds, 0), make_cfg(tmp_path, batch_size=2, accumulate=2))
+    assert [windows.count(k) for k in range(5)] == [(2, 4), (2, 4), (2, 4), (2, 4), (2, 2)]
