@@ -641,3 +641,31 @@ def test_data_windows_count_each_micro_batch_and_its_whole_window(tmp_path):
     ds = torch.utils.data.TensorDataset(torch.zeros(10, 1), torch.zeros(10, dtype=torch.long))
     windows = data_mod.Windows(ds, data_mod.train_sampler(ds, 0), make_cfg(tmp_path, batch_size=2, accumulate=2))
     assert [windows.count(k) for k in range(5)] == [(2, 4), (2, 4), (2, 4), (2, 4), (2, 2)]
+
+
+def test_metrics_model_summary_has_a_row_per_module_from_depth_1_to_its_depth():
+    """The banner's summary (--summary-depth): never the root (depth 0), every submodule down to max_depth."""
+    import torch.nn as nn
+
+    from manual_train.metrics import model_summary
+
+    model = nn.Sequential(nn.Sequential(nn.Linear(2, 3), nn.ReLU()), nn.Linear(3, 1))
+
+    def names(depth):
+        return [line.split()[0] for line in model_summary(model, depth).splitlines()[1:-1]]
+    assert (names(0), names(1), names(2), names(3)) == ([], ["0", "1"], ["0", "0.0", "0.1", "1"], ["0", "0.0", "0.1", "1"])
+
+
+def test_metrics_summary_best_epoch_counts_from_1_and_is_none_before_any_evaluation():
+    from manual_train.early_stopping import EarlyStopping
+    from manual_train.metrics import run_summary
+
+    def best_epoch(early):
+        return run_summary(script="s", world_size=1, device="cpu", cfg=config_mod.Config(), global_batch_size=1,
+                           epoch=0, step=1, samples_seen=1, samples_this_run=1, val_loss=1.0, val_acc=0.0, best={},
+                           early=early, skipped_steps=0, wall_s=1.0, data_wait_s=0.0, peak_mem_bytes=0,
+                           checkpoint=None)["best_epoch"]
+    early = EarlyStopping()
+    assert best_epoch(early) is None
+    early.update(1.0, 0)
+    assert best_epoch(early) == 1
