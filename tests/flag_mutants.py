@@ -78,6 +78,8 @@ EQUIVALENT: dict[str, str] = {
                                         "so the first of --devices (the default) is --output-device cpu",
     "DDPConfig.sync_bn": "on a CPU-only host: DDPConfig.validate refuses --sync-bn on the CPU (SyncBatchNorm needs "
                          "CUDA), so no run reaches the mutant",
+    "PipelineConfig.stages": "PipelineConfig.validate accepts --stages only as the world size or 0 (the default), "
+                             "and 0 means the world size: the same stages, one per rank; nothing else reads it",
     "DDPConfig.backend": "on a CPU-only host: --backend auto (the default) is gloo for the CPU, the one backend "
                          "there; nccl needs CUDA",
 }
@@ -167,10 +169,18 @@ def _test_texts() -> list[TestText]:
         source = path.read_text()
         tree = ast.parse(source)
         top: dict[str, str] = {}
+
+        def decorated(node) -> str:
+            """A def or class with its decorators, one per line: text that parses again (used() reads its names;
+            decorators glued to the `def` line made a SyntaxError, and a parametrized test or a fixture lost its
+            helpers)."""
+            return "\n".join([*(ast.get_source_segment(source, d) or "" for d in node.decorator_list),
+                              ast.get_source_segment(source, node) or ""])
+
         for node in tree.body:
             seg = ast.get_source_segment(source, node) or ""
             if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
-                top[node.name] = "\n".join(ast.get_source_segment(source, d) or "" for d in node.decorator_list) + seg
+                top[node.name] = decorated(node)
             elif isinstance(node, (ast.Assign, ast.AnnAssign)):
                 for target in (node.targets if isinstance(node, ast.Assign) else [node.target]):
                     for n in ast.walk(target):
@@ -188,8 +198,7 @@ def _test_texts() -> list[TestText]:
             return "".join(top[n] + used(top[n], depth - 1) for n in sorted(names) if n in top and top[n] != text)
 
         def add(fn, prefix: str, extra: str = "") -> None:
-            text = "\n".join(ast.get_source_segment(source, d) or "" for d in fn.decorator_list) + \
-                (ast.get_source_segment(source, fn) or "") + extra
+            text = decorated(fn) + extra
             out.append(TestText(f"tests/{path.name}::{prefix}{fn.name}", path.name, text + used(text, 2), text))
 
         module_marks = "\n".join(ast.get_source_segment(source, n) or "" for n in tree.body if isinstance(n, ast.Assign)
@@ -201,7 +210,7 @@ def _test_texts() -> list[TestText]:
                 add(node, "")
             elif isinstance(node, ast.ClassDef) and node.name.startswith("Test") and not any(
                     mark in (ast.get_source_segment(source, node) or "") for mark in SKIP_MARKS):
-                decorators = "\n".join(ast.get_source_segment(source, d) or "" for d in node.decorator_list)
+                decorators = "".join("\n" + (ast.get_source_segment(source, d) or "") for d in node.decorator_list)
                 for fn in node.body:
                     if isinstance(fn, ast.FunctionDef) and fn.name.startswith("test"):
                         add(fn, f"{node.name}::", decorators)

@@ -409,3 +409,199 @@ def test_tune_flags_reach_the_tuners_job(tmp_path):
     assert (job.flags.budget_s, job.flags.allow_changes, job.flags.rounds, job.flags.trial_s, job.flags.levers,
             job.flags.progress) == (30.0, True, 3, 0.5, "loader", False)
     assert job.out == tmp_path / "t" and job.cfg.model == "mlp"
+
+
+# ---------------------------------------------------------------------- the end of a run: --stop-at, --restore-best
+def test_stop_at_ends_the_run_at_the_first_evaluation_that_reaches_it(tmp_path):
+    """--stop-at 100 --monitor val_loss: the first evaluation (epoch 1) is below it, so 1 of 3 epochs runs."""
+    summary = single.train(make_cfg(tmp_path, epochs=3, limit_train_batches="2", monitor="val_loss", stop_at=100,
+                                    **TINY))
+    assert (summary["epochs_run"], summary["optimizer_steps"], summary["stopped_early"]) == (1, 2, True), summary
+    assert summary["stop_reason"].startswith("target reached: val_loss")
+
+
+def test_restore_best_ends_with_the_best_epochs_weights(tmp_path):
+    """--restore-best: epoch 1 is the best (nothing improves val_acc by 0.9 after it), so the run ends with epoch 1's
+    weights and val_loss, not epoch 2's."""
+    summary = single.train(make_cfg(tmp_path, epochs=2, limit_train_batches="3", monitor="val_acc",
+                                    early_stop_min_delta=0.9, restore_best=True, **TINY))
+    with open(tmp_path / "run" / "metrics.csv") as f:
+        val_losses = [float(r["loss"]) for r in csv.DictReader(f) if r["split"] == "val"]
+    assert len(val_losses) == 2 and val_losses[0] != val_losses[1]  # two evaluations, two different weights
+    assert summary["best_epoch"] == 1 and summary["final_val_loss"] == pytest.approx(val_losses[0], rel=1e-6)
+
+
+# ---------------------------------------------------------------------- python -m manual_train.evaluate
+def test_evaluate_batch_size_and_mode_reach_the_evaluation(checkpoint, monkeypatch, capsys):
+    """--eval-batch-size 100 (the checkpoint's: 64) batches the loader; --eval-mode no_grad (default inference)
+    evaluates outside inference mode."""
+    from manual_train import evaluate
+
+    loaders, modes = loaders_built(monkeypatch), []
+    real = evaluate.loss_fn
+    monkeypatch.setattr(evaluate, "loss_fn", lambda *a, **kw: modes.append(torch.is_inference_mode_enabled()) or
+                        real(*a, **kw))
+    assert evaluate.main(["--checkpoint", str(checkpoint), "--eval-batch-size", "100", "--eval-mode", "no_grad",
+                          "--json"]) == 0
+    assert [loader.batch_size for loader in loaders] == [100] and len(modes) == 3  # 297 samples: 100 + 100 + 97
+    assert not any(modes), modes
+    assert evaluate.main(["--checkpoint", str(checkpoint), "--json"]) == 0
+    assert loaders[-1].batch_size == 64 and modes[-1], modes  # the defaults: the checkpoint's, inference mode
+
+
+def test_evaluate_data_root_is_where_the_data_is_read(tmp_path, capsys):
+    """A run trained on mnist in A (64 test images), evaluated with --data-root B (32): B's images are evaluated."""
+    from idx import write_tiny_mnist
+
+    from manual_train import evaluate
+
+    write_tiny_mnist(tmp_path / "A")
+    write_tiny_mnist(tmp_path / "B", n_train=64, n_test=32)
+    single.train(make_cfg(tmp_path, dataset="mnist", data_root=str(tmp_path / "A"), max_steps=1, **TINY))
+    capsys.readouterr()
+    assert evaluate.main(["--checkpoint", str(tmp_path / "run" / "last.pt"), "--data-root", str(tmp_path / "B"),
+                          "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["samples"] == 32  # the checkpoint's own root holds 64
+
+
+# ---------------------------------------------------------------------- python -m manual_train.generate
+class LikelyA(torch.nn.Module):
+    """A stand-in GPT: 'A' is the likeliest next byte (logit 1, every other 0: drawn ~1% of the time from all)."""
+
+    def __init__(self):
+        super().__init__()
+        self.unused = torch.nn.Parameter(torch.zeros(1))
+
+    def forward(self, idx):
+        from manual_train import text
+
+        logits = torch.zeros(*idx.shape, text.VOCAB)
+        logits[..., ord("A")] = 1.0
+        return logits
+
+
+def test_generate_top_k_draws_from_the_k_likeliest_only(tmp_path, monkeypatch, capsys):
+    """--top-k 1 at --temperature 1: every byte drawn is the likeliest, 'A'; from all 257 (the default) A is rare."""
+    from manual_train import generate
+
+    monkeypatch.setattr(generate, "load_gpt", lambda path, device: (LikelyA(), 64))
+    (tmp_path / "stand-in.pt").touch()  # a file, as --checkpoint's check asks (load_gpt, replaced, never reads it)
+    argv = ["--checkpoint", str(tmp_path / "stand-in.pt"), "--max-new-tokens", "20", "--temperature", "1", "--seed",
+            "3"]
+    assert generate.main([*argv, "--top-k", "1"]) == 0
+    assert capsys.readouterr().out == "A" * 20 + "\n"
+    assert generate.main(argv) == 0
+    assert capsys.readouterr().out.count("A") < 5  # known-wrong: top-k off
+
+
+# ---------------------------------------------------------------------- python -m manual_train.bench
+def test_bench_only_out_and_repeats_reach_the_run(tmp_path, monkeypatch):
+    """Two stand-in entries (the real ones: tests/test_bench.py): --only b runs b alone, with --repeats 3 (the
+    entry's own default here: 5), and bench.json goes to --out."""
+    from manual_train.bench import cli, harness
+
+    ran = []
+
+    def entry(bench):
+        ran.append((bench.entry, bench.repeats(quick=2, full=5)))
+        return harness.Outcome()
+
+    monkeypatch.setattr(cli, "suite_entries", lambda suite: {"a": (entry, "A"), "b": (entry, "B")})
+    monkeypatch.setattr(cli, "_probe_cuda", lambda: {"available": False})
+    monkeypatch.chdir(tmp_path)  # the default --out, bench-out/, would be made here
+    assert cli.main(["--only", "b", "--out", str(tmp_path / "out"), "--repeats", "3"]) == 0
+    assert ran == [("b", 3)]
+    assert (tmp_path / "out" / "bench.json").is_file() and not (tmp_path / "bench-out").exists()
+    assert [r["name"] for r in json.loads((tmp_path / "out" / "bench.json").read_text())["entries"]] == ["b"]
+
+
+# ---------------------------------------------------------------------- the sharded loops, as a group of one (gloo)
+def test_pipeline_schedule_1f1b_runs_a_backward_between_forwards(tmp_path, monkeypatch, lone_process):
+    """--impl torch, one stage, 4 micro-batches: 1F1B starts each micro-batch's backward before the next forward
+    ('BF' in the order of the last stage's loss calls F and backward passes B); GPipe, the default, runs every
+    forward of the step first."""
+    import manual_train.pipeline
+    from manual_train.loops import pipeline
+
+    order = []
+    real = manual_train.pipeline.share
+
+    def share(logits, y, targets):
+        order.append("F")
+        logits.register_hook(lambda grad: order.append("B"))
+        return real(logits, y, targets)
+
+    monkeypatch.setattr(manual_train.pipeline, "share", share)
+    flags = dict(model="gpt", dataset="reverse", synthetic_size=64, batch_size=8, impl="torch", microbatches=4,
+                 max_steps=1, limit_val_batches="1", eval_batch_size=8)
+    pipeline.train(make_cfg(tmp_path / "a", pipeline.PipelineConfig, pipeline_schedule="1f1b", **flags))
+    one_f_one_b, order[:] = "".join(order), []
+    pipeline.train(make_cfg(tmp_path / "b", pipeline.PipelineConfig, **flags))
+    gpipe = "".join(order)
+    assert "BF" in one_f_one_b and "BF" not in gpipe and gpipe.count("B") == 4, (one_f_one_b, gpipe)
+
+
+def test_sequence_parallel_splits_the_layernorms_input_along_the_sequence(tmp_path, monkeypatch, lone_process):
+    """--tp 1 --sequence-parallel: the blocks' LayerNorms take their input as a DTensor sharded on dim 1 (the
+    sequence). Without it (the flag mutant, `make mutants-flags`) they take it replicated: (Replicate(),)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    from manual_train import tensor_parallel as tp
+    from manual_train.loops import tensor_parallel
+
+    layouts = []
+    real = tp.shard_blocks
+
+    def recording(raw_model, mesh, sequence=False):
+        real(raw_model, mesh, sequence)
+        raw_model.blocks[0].ln1.register_forward_hook(lambda m, inputs, out: layouts.append(
+            tuple(inputs[0].placements) if isinstance(inputs[0], DTensor) else "plain"))
+
+    monkeypatch.setattr(tp, "shard_blocks", recording)
+    tensor_parallel.train(make_cfg(tmp_path, tensor_parallel.TensorParallelConfig, sequence_parallel=True,
+                                   model="gpt", dataset="reverse", synthetic_size=32, batch_size=8, max_steps=1,
+                                   limit_val_batches="1", eval_batch_size=8))
+    assert layouts and all(p == (Shard(1),) for p in layouts), layouts  # training's forward and evaluation's
+
+
+def test_async_checkpoint_saves_in_the_background(tmp_path, monkeypatch, lone_process):
+    """--checkpoint-format dcp --async-checkpoint: each save hands back a future (the shards written in a thread,
+    waited for at the next save or at the end). Without it (the flag mutant) the save is done when it returns: no
+    future."""
+    from manual_train import run as run_module
+    from manual_train.loops import zero as zero_loop
+
+    futures = []
+    real = run_module.save_sharded
+
+    def recording(*args, **kwargs):
+        rest, future = real(*args, **kwargs)
+        futures.append(future is not None)
+        return rest, future
+
+    monkeypatch.setattr(run_module, "save_sharded", recording)
+    zero_loop.train(make_cfg(tmp_path, zero_loop.ZeroConfig, impl="torch", stage=2, checkpoint_format="dcp",
+                             async_checkpoint=True, max_steps=1, **TINY))
+    assert futures and all(futures), futures
+    assert (tmp_path / "run" / "last.dcp").is_symlink()  # linked once the background write was done
+
+
+def test_reduce_buffer_size_reaches_shardeddps_buckets(tmp_path, monkeypatch, lone_process):
+    """--impl fairscale --stage 2 --reduce-buffer-size 0: ShardedDataParallel is built with no reduce buffers (the
+    default, None, leaves fairscale's 2**23). In a group of one fairscale buckets nothing anyway: what the buffers
+    change across ranks is tests/test_zero_parity.py's (per-rank gradient bytes)."""
+    from manual_train import zero_fairscale
+    from manual_train.loops import zero as zero_loop
+
+    built = []
+
+    class Recording(zero_fairscale.ShardedDataParallel):
+        def __init__(self, module, optimizer, **kwargs):
+            built.append(kwargs.get("reduce_buffer_size", "fairscale's default"))
+            super().__init__(module, optimizer, **kwargs)
+
+    monkeypatch.setattr(zero_fairscale, "ShardedDataParallel", Recording)
+    flags = dict(impl="fairscale", stage=2, max_steps=1, **TINY)
+    zero_loop.train(make_cfg(tmp_path / "a", zero_loop.ZeroConfig, reduce_buffer_size=0, **flags))
+    zero_loop.train(make_cfg(tmp_path / "b", zero_loop.ZeroConfig, **flags))
+    assert built == [0, "fairscale's default"]
