@@ -326,8 +326,8 @@ def page(mutants: list[FlagMutant], outcomes: dict, result: dict) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    parser.add_argument("--only", default="", help="the mutants whose name starts with this, or one of these (comma-separated; nothing "
-                        "written unless --update)")
+    parser.add_argument("--only", default="", help="the mutants whose name starts with this, or one of these (comma-separated; a "
+                        "mutant's whole name selects it alone; nothing written unless --update)")
     parser.add_argument("--list", action="store_true", help="list the mutants and their tests, run nothing")
     parser.add_argument("--update", action="store_true", help="with --only: merge these outcomes into the pages of "
                         "the last full run (docs/mutants-flags.json) and rewrite them")
@@ -346,7 +346,9 @@ def main(argv=None) -> int:
         print(f"error: EQUIVALENT names flags that do not exist: {stale}", file=sys.stderr)
         return 2
     select_tests(mutants, args.max_tests)
-    selected = [m for m in mutants if m.name.startswith(tuple(args.only.split(",")))]
+    wanted = args.only.split(",")
+    exact = {m.name for m in mutants} & set(wanted)  # Config.loss is that one, not also Config.loss_scale_init
+    selected = [m for m in mutants if m.name in exact or m.name.startswith(tuple(set(wanted) - exact))]
     if not selected:
         print(f"error: --only {args.only!r} matches no flag mutant", file=sys.stderr)
         return 2
