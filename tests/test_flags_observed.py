@@ -465,33 +465,21 @@ def test_evaluate_data_root_is_where_the_data_is_read(tmp_path, capsys):
 
 
 # ---------------------------------------------------------------------- python -m manual_train.generate
-class LikelyA(torch.nn.Module):
-    """A stand-in GPT: 'A' is the likeliest next byte (logit 1, every other 0: drawn ~1% of the time from all)."""
-
-    def __init__(self):
-        super().__init__()
-        self.unused = torch.nn.Parameter(torch.zeros(1))
-
-    def forward(self, idx):
-        from manual_train import text
-
-        logits = torch.zeros(*idx.shape, text.VOCAB)
-        logits[..., ord("A")] = 1.0
-        return logits
-
-
 def test_generate_top_k_draws_from_the_k_likeliest_only(tmp_path, monkeypatch, capsys):
-    """--top-k 1 at --temperature 1: every byte drawn is the likeliest, 'A'; from all 257 (the default) A is rare."""
+    """--top-k 1 at --temperature 1, tests/test_generate.py's stand-in model: every byte drawn is the likeliest, 'A',
+    'A', then BOS, which ends the text; drawn from all 257 (the default, top-k off) 'A' has ~1% of each draw."""
+    from test_generate import EndsAfterTwoBytes
+
     from manual_train import generate
 
-    monkeypatch.setattr(generate, "load_gpt", lambda path, device: (LikelyA(), 64))
+    monkeypatch.setattr(generate, "load_gpt", lambda path, device: (EndsAfterTwoBytes(), 64))
     (tmp_path / "stand-in.pt").touch()  # a file, as --checkpoint's check asks (load_gpt, replaced, never reads it)
     argv = ["--checkpoint", str(tmp_path / "stand-in.pt"), "--max-new-tokens", "20", "--temperature", "1", "--seed",
             "3"]
     assert generate.main([*argv, "--top-k", "1"]) == 0
-    assert capsys.readouterr().out == "A" * 20 + "\n"
+    assert capsys.readouterr().out == "AA\n"
     assert generate.main(argv) == 0
-    assert capsys.readouterr().out.count("A") < 5  # known-wrong: top-k off
+    assert capsys.readouterr().out != "AA\n"  # known-wrong: top-k off
 
 
 # ---------------------------------------------------------------------- python -m manual_train.bench
