@@ -593,3 +593,60 @@ def test_reduce_buffer_size_reaches_shardeddps_buckets(tmp_path, monkeypatch, lo
     zero_loop.train(make_cfg(tmp_path / "a", zero_loop.ZeroConfig, reduce_buffer_size=0, **flags))
     zero_loop.train(make_cfg(tmp_path / "b", zero_loop.ZeroConfig, **flags))
     assert built == [0, "fairscale's default"]
+
+
+# ---------------------------------------------------------------------- the run's data, model and step
+def initial_mlp_state(seed: int = 0) -> dict:
+    """The mlp's initial weights on the digits, as every loop builds them: torch.manual_seed(--seed) right before."""
+    torch.manual_seed(seed)
+    return build_model("mlp", DataInfo("digits", (1, 8, 8), 10)).state_dict()
+
+
+def test_seed_sets_the_initial_weights(tmp_path):
+    """--seed 5: one SGD step moves the weights by lr x gradient (~0.05), far less than the init draws differ by."""
+    single.train(make_cfg(tmp_path, max_steps=1, seed=5, **TINY))
+    trained = load_model_state(tmp_path / "run")
+    near = {seed: max((trained[k] - w).abs().max().item() for k, w in initial_mlp_state(seed).items())
+            for seed in (5, 0)}
+    assert near[5] < 0.1 < near[0], near  # the default seed 0's weights are not where this run started
+
+
+def test_grad_clip_bounds_the_first_steps_move(tmp_path):
+    """--grad-clip 0.01, SGD at lr 0.05: the first step (momentum buffer = the gradient) moves the weights by
+    lr x the clipped gradient, whose norm is 0.01 (the gradient's own is far larger)."""
+    single.train(make_cfg(tmp_path, max_steps=1, grad_clip=0.01, schedule="constant", lr=0.05, **TINY))
+    trained, start = load_model_state(tmp_path / "run"), initial_mlp_state()
+    moved = math.sqrt(sum(((trained[k].double() - w.double()) ** 2).sum().item() for k, w in start.items()))
+    assert moved == pytest.approx(0.05 * 0.01, rel=1e-4)
+
+
+def test_loss_plugin_is_the_loss_trained_and_evaluated_with(tmp_path, monkeypatch):
+    """--loss manual_train.examples.focal_loss:focal_loss: training (the mean) and evaluation (reduction="sum") call
+    it; the default is the cross-entropy (tests/test_plugins.py checks its numbers)."""
+    from manual_train.examples import focal_loss
+
+    calls = []
+    real = focal_loss.focal_loss
+    monkeypatch.setattr(focal_loss, "focal_loss", lambda logits, y, reduction="mean": calls.append(reduction) or
+                        real(logits, y, reduction))
+    single.train(make_cfg(tmp_path, max_steps=1, loss="manual_train.examples.focal_loss:focal_loss", **TINY))
+    assert "mean" in calls and "sum" in calls, calls
+
+
+def test_synthetic_flags_shape_the_data_and_the_model(tmp_path, capsys):
+    """--dataset synthetic --synthetic-size 40 --synthetic-shape 1,6,6 --synthetic-classes 3: 40 training images
+    (and 40 // 4 to validate), the mlp takes 36 pixels and has 3 outputs."""
+    single.train(make_cfg(tmp_path, dataset="synthetic", synthetic_size=40, synthetic_shape="1,6,6",
+                          synthetic_classes=3, max_steps=1, **TINY))
+    assert "(40 train / 10 val)" in capsys.readouterr().out
+    shapes = [tuple(w.shape) for k, w in load_model_state(tmp_path / "run").items() if k.endswith("weight")]
+    assert shapes[0] == (128, 36) and shapes[-1] == (3, 128), shapes
+
+
+def test_block_size_and_text_samples_cut_the_text(tmp_path, capsys):
+    """--dataset pydoc --block-size 16 --text-samples 24: samples of 16 bytes (the GPT's context: 16 positions),
+    24 of them to train on."""
+    single.train(make_cfg(tmp_path, model="gpt", dataset="pydoc", block_size=16, text_samples=24, batch_size=8,
+                          max_steps=1, limit_val_batches="1"))
+    assert "(24 train / " in capsys.readouterr().out
+    assert load_model_state(tmp_path / "run")["pos.weight"].shape[0] == 16
