@@ -78,6 +78,8 @@ EQUIVALENT: dict[str, str] = {
                                         "so the first of --devices (the default) is --output-device cpu",
     "DDPConfig.sync_bn": "on a CPU-only host: DDPConfig.validate refuses --sync-bn on the CPU (SyncBatchNorm needs "
                          "CUDA), so no run reaches the mutant",
+    "ModelParallelConfig.devices": "on a CPU-only host: --devices auto is cpu,cpu, and any pair of CPU devices is "
+                                   "the one cpu device twice",
     "PipelineConfig.stages": "PipelineConfig.validate accepts --stages only as the world size or 0 (the default), "
                              "and 0 means the world size: the same stages, one per rank; nothing else reads it",
     "DDPConfig.backend": "on a CPU-only host: --backend auto (the default) is gloo for the CPU, the one backend "

@@ -650,3 +650,57 @@ def test_block_size_and_text_samples_cut_the_text(tmp_path, capsys):
                           max_steps=1, limit_val_batches="1"))
     assert "(24 train / " in capsys.readouterr().out
     assert load_model_state(tmp_path / "run")["pos.weight"].shape[0] == 16
+
+
+# ---------------------------------------------------------------------- data and model parallelism in one process
+def forward_rows(monkeypatch, cls) -> list:
+    """The batch sizes cls.forward is called with in training from now on (by the module itself and by every
+    replica; not the one-sample probe of the model summary, nor evaluation, which run without gradients)."""
+    rows = []
+    real = cls.forward
+
+    def recording(self, x, *args):
+        if torch.is_grad_enabled():
+            rows.append(x.shape[0])
+        return real(self, x, *args)
+
+    monkeypatch.setattr(cls, "forward", recording)
+    return rows
+
+
+def test_data_parallel_impl_and_devices_split_the_batch(tmp_path, monkeypatch, lone_process):
+    """launch/data_parallel.py --impl explicit --devices cpu,cpu,cpu, batch 12: the mlp's first forward takes a
+    chunk of 4 rows, one per device (--impl torch, the default, is nn.DataParallel, which on the CPU runs the module
+    on the whole batch: 12; --devices auto is cpu,cpu here: 6)."""
+    from manual_train.loops import data_parallel
+    from manual_train.models import MLP
+
+    rows = forward_rows(monkeypatch, MLP)
+    data_parallel.train(make_cfg(tmp_path, data_parallel.DataParallelConfig, impl="explicit", devices="cpu,cpu,cpu",
+                                 batch_size=12, max_steps=1, **dict(TINY, eval_batch_size=12)))
+    assert rows == [4, 4, 4], rows
+
+
+def test_hybrid_impl_and_devices_split_the_encoders_batch(tmp_path, monkeypatch, lone_process):
+    """launch/hybrid.py dp-mp --impl explicit --devices cpu x 6: the encoder, data-parallel over the first 3, takes
+    the batch of 8 in chunks of 3, 3, 2 (--impl torch: 8 at once; --devices auto, cpu x 4: 4 and 4)."""
+    from manual_train.loops import hybrid
+    from manual_train.models import Encoder
+
+    rows = forward_rows(monkeypatch, Encoder)
+    hybrid.train(make_cfg(tmp_path, hybrid.HybridConfig, impl="explicit", devices=",".join(["cpu"] * 6),
+                          model="seq2seq", dataset="reverse", synthetic_size=32, batch_size=8, max_steps=1,
+                          limit_val_batches="1", eval_batch_size=8))
+    assert rows == [3, 3, 2], rows
+
+
+def test_model_parallel_microbatches_cut_the_batch(tmp_path, monkeypatch, lone_process):
+    """launch/model_parallel.py --microbatches 2, batch 8: the encoder takes 4 rows at a time (the default, 1: 8)."""
+    from manual_train.loops import model_parallel
+    from manual_train.models import Encoder
+
+    rows = forward_rows(monkeypatch, Encoder)
+    model_parallel.train(make_cfg(tmp_path, model_parallel.ModelParallelConfig, microbatches=2, model="seq2seq",
+                                  dataset="reverse", synthetic_size=32, batch_size=8, max_steps=1,
+                                  limit_val_batches="1", eval_batch_size=8))
+    assert rows == [4, 4], rows
