@@ -80,6 +80,10 @@ EQUIVALENT: dict[str, str] = {
                          "CUDA), so no run reaches the mutant",
     "ModelParallelConfig.devices": "on a CPU-only host: --devices auto is cpu,cpu, and any pair of CPU devices is "
                                    "the one cpu device twice",
+    "PipelineConfig.dp": "PipelineConfig.validate accepts only --dp 1, the default (pipeline x data parallel is not "
+                         "built)",
+    "TensorParallelConfig.tp": "check_tp accepts --tp only as world size / --dp, which is what 0 (the default) "
+                               "resolves to in mesh_shape, the one place that reads it",
     "PipelineConfig.stages": "PipelineConfig.validate accepts --stages only as the world size or 0 (the default), "
                              "and 0 means the world size: the same stages, one per rank; nothing else reads it",
     "DDPConfig.backend": "on a CPU-only host: --backend auto (the default) is gloo for the CPU, the one backend "

@@ -14,9 +14,10 @@ import types
 
 import pytest
 import torch
-from conftest import load_model_state, make_cfg
+from conftest import as_torchrun_rank, load_model_state, make_cfg
 
 from manual_train import data
+from manual_train.config import config_from
 from manual_train.loops import single
 from manual_train.metrics import model_summary
 from manual_train.models import DataInfo, build_model
@@ -130,20 +131,20 @@ def test_bench_list_lists_and_runs_nothing(capsys):
 
 
 def test_parity_no_floor_skips_the_floor_run(tmp_path, monkeypatch, capsys):
-    """--no-floor: run_pair is asked for no third (noise floor) run; without it, it is."""
+    """--no-floor: run_pair is asked for no third (noise floor) run; without it, it is. --quiet reaches it too."""
     from manual_train import parity
 
     asked = []
 
     def run_pair(a, b, work, *, quiet, floor):
-        asked.append(floor)
+        asked.append((floor, quiet))
         raise parity.BadInput("recorded")  # stop here: the runs themselves are tests/test_parity_tool.py's
 
     monkeypatch.setattr(parity, "run_pair", run_pair)
-    for extra in (["--no-floor"], []):
+    for extra in (["--no-floor", "--quiet"], []):
         assert parity.main(["--a", "python launch/single.py", "--b", "python launch/single.py",
                             "--work-dir", str(tmp_path), *extra]) == 2
-    assert asked == [False, True]
+    assert asked == [(False, True), (True, False)]  # --quiet: run_pair prints no progress lines
 
 
 def test_parity_trace_floor_is_the_floor_compared_against(tmp_path, monkeypatch, capsys):
@@ -483,31 +484,38 @@ def test_generate_top_k_draws_from_the_k_likeliest_only(tmp_path, monkeypatch, c
 
 
 # ---------------------------------------------------------------------- python -m manual_train.bench
-def test_bench_only_out_and_repeats_reach_the_run(tmp_path, monkeypatch):
-    """Two stand-in entries (the real ones: tests/test_bench.py): --only b runs b alone, with --repeats 3 (the
-    entry's own default here: 5), and bench.json goes to --out."""
+def test_bench_flags_reach_the_run(tmp_path, monkeypatch):
+    """Stand-in entries (the real ones: tests/test_bench.py), each recording what it was given: --only b runs b
+    alone, with --repeats 3 (the entry's own default here: 5; --quick: 2), --threads 2 (default 1) and --suite gpu
+    (default cpu; CUDA faked present), and bench.json goes to --out."""
     from manual_train.bench import cli, harness
 
-    ran = []
+    ran, suites = [], []
 
     def entry(bench):
-        ran.append((bench.entry, bench.repeats(quick=2, full=5)))
+        ran.append((bench.entry, bench.repeats(quick=2, full=5), bench.threads))
         return harness.Outcome()
 
-    monkeypatch.setattr(cli, "suite_entries", lambda suite: {"a": (entry, "A"), "b": (entry, "B")})
-    monkeypatch.setattr(cli, "_probe_cuda", lambda: {"available": False})
+    def suite_entries(suite):
+        suites.append(suite)
+        return {"a": (entry, "A"), "b": (entry, "B")}
+
+    monkeypatch.setattr(cli, "suite_entries", suite_entries)
+    monkeypatch.setattr(cli, "_probe_cuda", lambda: {"available": True, "name": "stand-in"})
     monkeypatch.chdir(tmp_path)  # the default --out, bench-out/, would be made here
-    assert cli.main(["--only", "b", "--out", str(tmp_path / "out"), "--repeats", "3"]) == 0
-    assert ran == [("b", 3)]
+    assert cli.main(["--only", "b", "--out", str(tmp_path / "out"), "--repeats", "3", "--threads", "2"]) == 0
+    assert ran == [("b", 3, 2)]
     assert (tmp_path / "out" / "bench.json").is_file() and not (tmp_path / "bench-out").exists()
     assert [r["name"] for r in json.loads((tmp_path / "out" / "bench.json").read_text())["entries"]] == ["b"]
+    assert cli.main(["--only", "a", "--out", str(tmp_path / "quick"), "--quick", "--suite", "gpu"]) == 0
+    assert ran[-1] == ("a", 2, None) and suites == ["cpu", "gpu"]  # the gpu suite's children pick their threads
 
 
 # ---------------------------------------------------------------------- the sharded loops, as a group of one (gloo)
 def test_pipeline_schedule_1f1b_runs_a_backward_between_forwards(tmp_path, monkeypatch, lone_process):
-    """--impl torch, one stage, 4 micro-batches: 1F1B starts each micro-batch's backward before the next forward
-    ('BF' in the order of the last stage's loss calls F and backward passes B); GPipe, the default, runs every
-    forward of the step first."""
+    """--impl torch, one stage, --microbatches 2 (default 4): 1F1B starts each micro-batch's backward before the
+    next forward ('BF' in the order of the last stage's loss calls F and backward passes B); GPipe, the default,
+    runs every forward of the step first, then the 2 backward passes."""
     import manual_train.pipeline
     from manual_train.loops import pipeline
 
@@ -520,13 +528,13 @@ def test_pipeline_schedule_1f1b_runs_a_backward_between_forwards(tmp_path, monke
         return real(logits, y, targets)
 
     monkeypatch.setattr(manual_train.pipeline, "share", share)
-    flags = dict(model="gpt", dataset="reverse", synthetic_size=64, batch_size=8, impl="torch", microbatches=4,
+    flags = dict(model="gpt", dataset="reverse", synthetic_size=64, batch_size=8, impl="torch", microbatches=2,
                  max_steps=1, limit_val_batches="1", eval_batch_size=8)
     pipeline.train(make_cfg(tmp_path / "a", pipeline.PipelineConfig, pipeline_schedule="1f1b", **flags))
     one_f_one_b, order[:] = "".join(order), []
     pipeline.train(make_cfg(tmp_path / "b", pipeline.PipelineConfig, **flags))
     gpipe = "".join(order)
-    assert "BF" in one_f_one_b and "BF" not in gpipe and gpipe.count("B") == 4, (one_f_one_b, gpipe)
+    assert "BF" in one_f_one_b and "BF" not in gpipe and gpipe.count("B") == 2, (one_f_one_b, gpipe)
 
 
 def test_sequence_parallel_splits_the_layernorms_input_along_the_sequence(tmp_path, monkeypatch, lone_process):
@@ -704,3 +712,74 @@ def test_model_parallel_microbatches_cut_the_batch(tmp_path, monkeypatch, lone_p
                                   dataset="reverse", synthetic_size=32, batch_size=8, max_steps=1,
                                   limit_val_batches="1", eval_batch_size=8))
     assert rows == [4, 4], rows
+
+
+def test_tensor_parallel_dp_shapes_the_mesh(monkeypatch):
+    """launch/tensor_parallel.py --dp 2 at 4 ranks (torchrun's environment, as the flags are checked there): the mesh
+    is 2 replicas x tp 2, not 1 x 4 (--dp 1, the default, with --tp 0). The 4-rank runs themselves:
+    tests/test_tensor_parallel.py."""
+    from manual_train.loops import tensor_parallel
+
+    as_torchrun_rank(monkeypatch, world_size=4)
+    cfg = config_from(tensor_parallel.TensorParallelConfig, model="gpt", dataset="reverse", dp=2)
+    assert cfg.mesh_shape(4) == (2, 2)
+
+
+def test_hybrid_mode_ddp_mp_runs_each_half_on_its_own_device(tmp_path, monkeypatch, lone_process):
+    """--mode ddp-mp --devices cpu,cpu (a group of one; its 2-rank runs: tests/test_hybrid.py): DDP over the plain
+    split, each half the model's own module; dp-mp, the default, wraps each half in data parallelism
+    (nn.DataParallel, --impl torch)."""
+    from manual_train.loops import hybrid
+    from manual_train.models import Decoder, Encoder
+
+    halves = []
+    real = hybrid.split_model
+
+    def recording(*args):
+        split = real(*args)
+        halves.append((type(split.encoder), type(split.decoder)))
+        return split
+
+    monkeypatch.setattr(hybrid, "split_model", recording)
+    hybrid.train(make_cfg(tmp_path, hybrid.HybridConfig, mode="ddp-mp", devices="cpu,cpu", model="seq2seq",
+                          dataset="reverse", synthetic_size=32, batch_size=8, max_steps=1, limit_val_batches="1",
+                          eval_batch_size=8))
+    assert halves == [(Encoder, Decoder)], halves
+
+
+def test_evaluate_precision_is_the_evaluations_dtype(checkpoint, monkeypatch, capsys):
+    """--precision 64-true on a 32-true run's checkpoint: the model evaluates in float64 (its logits too)."""
+    from manual_train import evaluate
+
+    dtypes = []
+    real = evaluate.loss_fn
+    monkeypatch.setattr(evaluate, "loss_fn", lambda logits, *a, **kw: dtypes.append(logits.dtype) or
+                        real(logits, *a, **kw))
+    assert evaluate.main(["--checkpoint", str(checkpoint), "--precision", "64-true", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["precision"] == "64-true"
+    assert dtypes and set(dtypes) == {torch.float64}, dtypes
+
+
+def test_zero_stage_3_reshards_after_forward(tmp_path, monkeypatch, lone_process):
+    """--impl torch --stage 3 (FSDP2, a group of one): when the loss is computed (forward done, backward not
+    begun) the GPT's blocks hold their sharded parameters again (DTensors); stage 2, the default, keeps the gathered
+    ones (plain tensors) until backward."""
+    from torch.distributed.tensor import DTensor
+
+    from manual_train.loops import zero as zero_loop
+
+    sharded, resharded = [], []
+    real_shard, real_loss = zero_loop.shard, zero_loop.loss_fn
+    monkeypatch.setattr(zero_loop, "shard", lambda *args: sharded.append(real_shard(*args)) or sharded[-1])
+
+    def loss_fn(logits, y, **kw):
+        if torch.is_grad_enabled():  # training: the forward's end
+            resharded.append(isinstance(sharded[-1].raw_model.blocks[0].attn.q.weight, DTensor))
+        return real_loss(logits, y, **kw)
+
+    monkeypatch.setattr(zero_loop, "loss_fn", loss_fn)
+    flags = dict(model="gpt", dataset="reverse", synthetic_size=32, batch_size=8, max_steps=1, limit_val_batches="1",
+                 eval_batch_size=8, impl="torch")
+    zero_loop.train(make_cfg(tmp_path / "a", zero_loop.ZeroConfig, stage=3, **flags))
+    zero_loop.train(make_cfg(tmp_path / "b", zero_loop.ZeroConfig, **flags))
+    assert resharded == [True, False], resharded
