@@ -78,6 +78,14 @@ EQUIVALENT: dict[str, str] = {
                                         "so the first of --devices (the default) is --output-device cpu",
     "DDPConfig.sync_bn": "on a CPU-only host: DDPConfig.validate refuses --sync-bn on the CPU (SyncBatchNorm needs "
                          "CUDA), so no run reaches the mutant",
+    "ModelParallelConfig.devices": "on a CPU-only host: --devices auto is cpu,cpu, and any pair of CPU devices is "
+                                   "the one cpu device twice",
+    "PipelineConfig.dp": "PipelineConfig.validate accepts only --dp 1, the default (pipeline x data parallel is not "
+                         "built)",
+    "TensorParallelConfig.tp": "check_tp accepts --tp only as world size / --dp, which is what 0 (the default) "
+                               "resolves to in mesh_shape, the one place that reads it",
+    "PipelineConfig.stages": "PipelineConfig.validate accepts --stages only as the world size or 0 (the default), "
+                             "and 0 means the world size: the same stages, one per rank; nothing else reads it",
     "DDPConfig.backend": "on a CPU-only host: --backend auto (the default) is gloo for the CPU, the one backend "
                          "there; nccl needs CUDA",
 }
@@ -167,10 +175,18 @@ def _test_texts() -> list[TestText]:
         source = path.read_text()
         tree = ast.parse(source)
         top: dict[str, str] = {}
+
+        def decorated(node) -> str:
+            """A def or class with its decorators, one per line: text that parses again (used() reads its names;
+            decorators glued to the `def` line made a SyntaxError, and a parametrized test or a fixture lost its
+            helpers)."""
+            return "\n".join([*(ast.get_source_segment(source, d) or "" for d in node.decorator_list),
+                              ast.get_source_segment(source, node) or ""])
+
         for node in tree.body:
             seg = ast.get_source_segment(source, node) or ""
             if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
-                top[node.name] = "\n".join(ast.get_source_segment(source, d) or "" for d in node.decorator_list) + seg
+                top[node.name] = decorated(node)
             elif isinstance(node, (ast.Assign, ast.AnnAssign)):
                 for target in (node.targets if isinstance(node, ast.Assign) else [node.target]):
                     for n in ast.walk(target):
@@ -188,8 +204,7 @@ def _test_texts() -> list[TestText]:
             return "".join(top[n] + used(top[n], depth - 1) for n in sorted(names) if n in top and top[n] != text)
 
         def add(fn, prefix: str, extra: str = "") -> None:
-            text = "\n".join(ast.get_source_segment(source, d) or "" for d in fn.decorator_list) + \
-                (ast.get_source_segment(source, fn) or "") + extra
+            text = decorated(fn) + extra
             out.append(TestText(f"tests/{path.name}::{prefix}{fn.name}", path.name, text + used(text, 2), text))
 
         module_marks = "\n".join(ast.get_source_segment(source, n) or "" for n in tree.body if isinstance(n, ast.Assign)
@@ -201,7 +216,7 @@ def _test_texts() -> list[TestText]:
                 add(node, "")
             elif isinstance(node, ast.ClassDef) and node.name.startswith("Test") and not any(
                     mark in (ast.get_source_segment(source, node) or "") for mark in SKIP_MARKS):
-                decorators = "\n".join(ast.get_source_segment(source, d) or "" for d in node.decorator_list)
+                decorators = "".join("\n" + (ast.get_source_segment(source, d) or "") for d in node.decorator_list)
                 for fn in node.body:
                     if isinstance(fn, ast.FunctionDef) and fn.name.startswith("test"):
                         add(fn, f"{node.name}::", decorators)
@@ -317,8 +332,8 @@ def page(mutants: list[FlagMutant], outcomes: dict, result: dict) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    parser.add_argument("--only", default="", help="the mutants whose name starts with this, or one of these (comma-separated; nothing "
-                        "written unless --update)")
+    parser.add_argument("--only", default="", help="the mutants whose name starts with this, or one of these (comma-separated; a "
+                        "mutant's whole name selects it alone; nothing written unless --update)")
     parser.add_argument("--list", action="store_true", help="list the mutants and their tests, run nothing")
     parser.add_argument("--update", action="store_true", help="with --only: merge these outcomes into the pages of "
                         "the last full run (docs/mutants-flags.json) and rewrite them")
@@ -337,7 +352,9 @@ def main(argv=None) -> int:
         print(f"error: EQUIVALENT names flags that do not exist: {stale}", file=sys.stderr)
         return 2
     select_tests(mutants, args.max_tests)
-    selected = [m for m in mutants if m.name.startswith(tuple(args.only.split(",")))]
+    wanted = args.only.split(",")
+    exact = {m.name for m in mutants} & set(wanted)  # Config.loss is that one, not also Config.loss_scale_init
+    selected = [m for m in mutants if m.name in exact or m.name.startswith(tuple(set(wanted) - exact))]
     if not selected:
         print(f"error: --only {args.only!r} matches no flag mutant", file=sys.stderr)
         return 2

@@ -14,9 +14,10 @@ import types
 
 import pytest
 import torch
-from conftest import load_model_state, make_cfg
+from conftest import as_torchrun_rank, load_model_state, make_cfg
 
 from manual_train import data
+from manual_train.config import config_from
 from manual_train.loops import single
 from manual_train.metrics import model_summary
 from manual_train.models import DataInfo, build_model
@@ -130,20 +131,20 @@ def test_bench_list_lists_and_runs_nothing(capsys):
 
 
 def test_parity_no_floor_skips_the_floor_run(tmp_path, monkeypatch, capsys):
-    """--no-floor: run_pair is asked for no third (noise floor) run; without it, it is."""
+    """--no-floor: run_pair is asked for no third (noise floor) run; without it, it is. --quiet reaches it too."""
     from manual_train import parity
 
     asked = []
 
     def run_pair(a, b, work, *, quiet, floor):
-        asked.append(floor)
+        asked.append((floor, quiet))
         raise parity.BadInput("recorded")  # stop here: the runs themselves are tests/test_parity_tool.py's
 
     monkeypatch.setattr(parity, "run_pair", run_pair)
-    for extra in (["--no-floor"], []):
+    for extra in (["--no-floor", "--quiet"], []):
         assert parity.main(["--a", "python launch/single.py", "--b", "python launch/single.py",
                             "--work-dir", str(tmp_path), *extra]) == 2
-    assert asked == [False, True]
+    assert asked == [(False, True), (True, False)]  # --quiet: run_pair prints no progress lines
 
 
 def test_parity_trace_floor_is_the_floor_compared_against(tmp_path, monkeypatch, capsys):
@@ -409,3 +410,376 @@ def test_tune_flags_reach_the_tuners_job(tmp_path):
     assert (job.flags.budget_s, job.flags.allow_changes, job.flags.rounds, job.flags.trial_s, job.flags.levers,
             job.flags.progress) == (30.0, True, 3, 0.5, "loader", False)
     assert job.out == tmp_path / "t" and job.cfg.model == "mlp"
+
+
+# ---------------------------------------------------------------------- the end of a run: --stop-at, --restore-best
+def test_stop_at_ends_the_run_at_the_first_evaluation_that_reaches_it(tmp_path):
+    """--stop-at 100 --monitor val_loss: the first evaluation (epoch 1) is below it, so 1 of 3 epochs runs."""
+    summary = single.train(make_cfg(tmp_path, epochs=3, limit_train_batches="2", monitor="val_loss", stop_at=100,
+                                    **TINY))
+    assert (summary["epochs_run"], summary["optimizer_steps"], summary["stopped_early"]) == (1, 2, True), summary
+    assert summary["stop_reason"].startswith("target reached: val_loss")
+
+
+def test_restore_best_ends_with_the_best_epochs_weights(tmp_path):
+    """--restore-best: epoch 1 is the best (nothing improves val_acc by 0.9 after it), so the run ends with epoch 1's
+    weights and val_loss, not epoch 2's."""
+    summary = single.train(make_cfg(tmp_path, epochs=2, limit_train_batches="3", monitor="val_acc",
+                                    early_stop_min_delta=0.9, restore_best=True, **TINY))
+    with open(tmp_path / "run" / "metrics.csv") as f:
+        val_losses = [float(r["loss"]) for r in csv.DictReader(f) if r["split"] == "val"]
+    assert len(val_losses) == 2 and val_losses[0] != val_losses[1]  # two evaluations, two different weights
+    assert summary["best_epoch"] == 1 and summary["final_val_loss"] == pytest.approx(val_losses[0], rel=1e-6)
+
+
+# ---------------------------------------------------------------------- python -m manual_train.evaluate
+def test_evaluate_batch_size_and_mode_reach_the_evaluation(checkpoint, monkeypatch, capsys):
+    """--eval-batch-size 100 (the checkpoint's: 64) batches the loader; --eval-mode no_grad (default inference)
+    evaluates outside inference mode."""
+    from manual_train import evaluate
+
+    loaders, modes = loaders_built(monkeypatch), []
+    real = evaluate.loss_fn
+    monkeypatch.setattr(evaluate, "loss_fn", lambda *a, **kw: modes.append(torch.is_inference_mode_enabled()) or
+                        real(*a, **kw))
+    assert evaluate.main(["--checkpoint", str(checkpoint), "--eval-batch-size", "100", "--eval-mode", "no_grad",
+                          "--json"]) == 0
+    assert [loader.batch_size for loader in loaders] == [100] and len(modes) == 3  # 297 samples: 100 + 100 + 97
+    assert not any(modes), modes
+    assert evaluate.main(["--checkpoint", str(checkpoint), "--json"]) == 0
+    assert loaders[-1].batch_size == 64 and modes[-1], modes  # the defaults: the checkpoint's, inference mode
+
+
+def test_evaluate_data_root_is_where_the_data_is_read(tmp_path, capsys):
+    """A run trained on mnist in A (64 test images), evaluated with --data-root B (32): B's images are evaluated."""
+    from idx import write_tiny_mnist
+
+    from manual_train import evaluate
+
+    write_tiny_mnist(tmp_path / "A")
+    write_tiny_mnist(tmp_path / "B", n_train=64, n_test=32)
+    single.train(make_cfg(tmp_path, dataset="mnist", data_root=str(tmp_path / "A"), max_steps=1, **TINY))
+    capsys.readouterr()
+    assert evaluate.main(["--checkpoint", str(tmp_path / "run" / "last.pt"), "--data-root", str(tmp_path / "B"),
+                          "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["samples"] == 32  # the checkpoint's own root holds 64
+
+
+# ---------------------------------------------------------------------- python -m manual_train.generate
+def test_generate_top_k_draws_from_the_k_likeliest_only(tmp_path, monkeypatch, capsys):
+    """--top-k 1 at --temperature 1, tests/test_generate.py's stand-in model: every byte drawn is the likeliest, 'A',
+    'A', then BOS, which ends the text; drawn from all 257 (the default, top-k off) 'A' has ~1% of each draw."""
+    from test_generate import EndsAfterTwoBytes
+
+    from manual_train import generate
+
+    monkeypatch.setattr(generate, "load_gpt", lambda path, device: (EndsAfterTwoBytes(), 64))
+    (tmp_path / "stand-in.pt").touch()  # a file, as --checkpoint's check asks (load_gpt, replaced, never reads it)
+    argv = ["--checkpoint", str(tmp_path / "stand-in.pt"), "--max-new-tokens", "20", "--temperature", "1", "--seed",
+            "3"]
+    assert generate.main([*argv, "--top-k", "1"]) == 0
+    assert capsys.readouterr().out == "AA\n"
+    assert generate.main(argv) == 0
+    assert capsys.readouterr().out != "AA\n"  # known-wrong: top-k off
+
+
+# ---------------------------------------------------------------------- python -m manual_train.bench
+def test_bench_flags_reach_the_run(tmp_path, monkeypatch):
+    """Stand-in entries (the real ones: tests/test_bench.py), each recording what it was given: --only b runs b
+    alone, with --repeats 3 (the entry's own default here: 5; --quick: 2), --threads 2 (default 1) and --suite gpu
+    (default cpu; CUDA faked present), and bench.json goes to --out."""
+    from manual_train.bench import cli, harness
+
+    ran, suites = [], []
+
+    def entry(bench):
+        ran.append((bench.entry, bench.repeats(quick=2, full=5), bench.threads))
+        return harness.Outcome()
+
+    def suite_entries(suite):
+        suites.append(suite)
+        return {"a": (entry, "A"), "b": (entry, "B")}
+
+    monkeypatch.setattr(cli, "suite_entries", suite_entries)
+    monkeypatch.setattr(cli, "_probe_cuda", lambda: {"available": True, "name": "stand-in"})
+    monkeypatch.chdir(tmp_path)  # the default --out, bench-out/, would be made here
+    assert cli.main(["--only", "b", "--out", str(tmp_path / "out"), "--repeats", "3", "--threads", "2"]) == 0
+    assert ran == [("b", 3, 2)]
+    assert (tmp_path / "out" / "bench.json").is_file() and not (tmp_path / "bench-out").exists()
+    assert [r["name"] for r in json.loads((tmp_path / "out" / "bench.json").read_text())["entries"]] == ["b"]
+    assert cli.main(["--only", "a", "--out", str(tmp_path / "quick"), "--quick", "--suite", "gpu"]) == 0
+    assert ran[-1] == ("a", 2, None) and suites == ["cpu", "gpu"]  # the gpu suite's children pick their threads
+
+
+# ---------------------------------------------------------------------- the sharded loops, as a group of one (gloo)
+def test_pipeline_schedule_1f1b_runs_a_backward_between_forwards(tmp_path, monkeypatch, lone_process):
+    """--impl torch, one stage, --microbatches 2 (default 4): 1F1B starts each micro-batch's backward before the
+    next forward ('BF' in the order of the last stage's loss calls F and backward passes B); GPipe, the default,
+    runs every forward of the step first, then the 2 backward passes."""
+    import manual_train.pipeline
+    from manual_train.loops import pipeline
+
+    order = []
+    real = manual_train.pipeline.share
+
+    def share(logits, y, targets):
+        order.append("F")
+        logits.register_hook(lambda grad: order.append("B"))
+        return real(logits, y, targets)
+
+    monkeypatch.setattr(manual_train.pipeline, "share", share)
+    flags = dict(model="gpt", dataset="reverse", synthetic_size=64, batch_size=8, impl="torch", microbatches=2,
+                 max_steps=1, limit_val_batches="1", eval_batch_size=8)
+    pipeline.train(make_cfg(tmp_path / "a", pipeline.PipelineConfig, pipeline_schedule="1f1b", **flags))
+    one_f_one_b, order[:] = "".join(order), []
+    pipeline.train(make_cfg(tmp_path / "b", pipeline.PipelineConfig, **flags))
+    gpipe = "".join(order)
+    assert "BF" in one_f_one_b and "BF" not in gpipe and gpipe.count("B") == 2, (one_f_one_b, gpipe)
+
+
+def test_sequence_parallel_splits_the_layernorms_input_along_the_sequence(tmp_path, monkeypatch, lone_process):
+    """--tp 1 --sequence-parallel: the blocks' LayerNorms take their input as a DTensor sharded on dim 1 (the
+    sequence). Without it (the flag mutant, `make mutants-flags`) they take it replicated: (Replicate(),)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    from manual_train import tensor_parallel as tp
+    from manual_train.loops import tensor_parallel
+
+    layouts = []
+    real = tp.shard_blocks
+
+    def recording(raw_model, mesh, sequence=False):
+        real(raw_model, mesh, sequence)
+        raw_model.blocks[0].ln1.register_forward_hook(lambda m, inputs, out: layouts.append(
+            tuple(inputs[0].placements) if isinstance(inputs[0], DTensor) else "plain"))
+
+    monkeypatch.setattr(tp, "shard_blocks", recording)
+    tensor_parallel.train(make_cfg(tmp_path, tensor_parallel.TensorParallelConfig, sequence_parallel=True,
+                                   model="gpt", dataset="reverse", synthetic_size=32, batch_size=8, max_steps=1,
+                                   limit_val_batches="1", eval_batch_size=8))
+    assert layouts and all(p == (Shard(1),) for p in layouts), layouts  # training's forward and evaluation's
+
+
+def test_async_checkpoint_saves_in_the_background(tmp_path, monkeypatch, lone_process):
+    """--checkpoint-format dcp --async-checkpoint: each save hands back a future (the shards written in a thread,
+    waited for at the next save or at the end). Without it (the flag mutant) the save is done when it returns: no
+    future."""
+    from manual_train import run as run_module
+    from manual_train.loops import zero as zero_loop
+
+    futures = []
+    real = run_module.save_sharded
+
+    def recording(*args, **kwargs):
+        rest, future = real(*args, **kwargs)
+        futures.append(future is not None)
+        return rest, future
+
+    monkeypatch.setattr(run_module, "save_sharded", recording)
+    zero_loop.train(make_cfg(tmp_path, zero_loop.ZeroConfig, impl="torch", stage=2, checkpoint_format="dcp",
+                             async_checkpoint=True, max_steps=1, **TINY))
+    assert futures and all(futures), futures
+    assert (tmp_path / "run" / "last.dcp").is_symlink()  # linked once the background write was done
+
+
+def test_reduce_buffer_size_reaches_shardeddps_buckets(tmp_path, monkeypatch, lone_process):
+    """--impl fairscale --stage 2 --reduce-buffer-size 0: ShardedDataParallel is built with no reduce buffers (the
+    default, None, leaves fairscale's 2**23). In a group of one fairscale buckets nothing anyway: what the buffers
+    change across ranks is tests/test_zero_parity.py's (per-rank gradient bytes)."""
+    from manual_train import zero_fairscale
+    from manual_train.loops import zero as zero_loop
+
+    built = []
+
+    class Recording(zero_fairscale.ShardedDataParallel):
+        def __init__(self, module, optimizer, **kwargs):
+            built.append(kwargs.get("reduce_buffer_size", "fairscale's default"))
+            super().__init__(module, optimizer, **kwargs)
+
+    monkeypatch.setattr(zero_fairscale, "ShardedDataParallel", Recording)
+    flags = dict(impl="fairscale", stage=2, max_steps=1, **TINY)
+    zero_loop.train(make_cfg(tmp_path / "a", zero_loop.ZeroConfig, reduce_buffer_size=0, **flags))
+    zero_loop.train(make_cfg(tmp_path / "b", zero_loop.ZeroConfig, **flags))
+    assert built == [0, "fairscale's default"]
+
+
+# ---------------------------------------------------------------------- the run's data, model and step
+def initial_mlp_state(seed: int = 0) -> dict:
+    """The mlp's initial weights on the digits, as every loop builds them: torch.manual_seed(--seed) right before."""
+    torch.manual_seed(seed)
+    return build_model("mlp", DataInfo("digits", (1, 8, 8), 10)).state_dict()
+
+
+def test_seed_sets_the_initial_weights(tmp_path):
+    """--seed 5: one SGD step moves the weights by lr x gradient (~0.05), far less than the init draws differ by."""
+    single.train(make_cfg(tmp_path, max_steps=1, seed=5, **TINY))
+    trained = load_model_state(tmp_path / "run")
+    near = {seed: max((trained[k] - w).abs().max().item() for k, w in initial_mlp_state(seed).items())
+            for seed in (5, 0)}
+    assert near[5] < 0.1 < near[0], near  # the default seed 0's weights are not where this run started
+
+
+def test_grad_clip_bounds_the_first_steps_move(tmp_path):
+    """--grad-clip 0.01, SGD at lr 0.05: the first step (momentum buffer = the gradient) moves the weights by
+    lr x the clipped gradient, whose norm is 0.01 (the gradient's own is far larger)."""
+    single.train(make_cfg(tmp_path, max_steps=1, grad_clip=0.01, schedule="constant", lr=0.05, **TINY))
+    trained, start = load_model_state(tmp_path / "run"), initial_mlp_state()
+    moved = math.sqrt(sum(((trained[k].double() - w.double()) ** 2).sum().item() for k, w in start.items()))
+    assert moved == pytest.approx(0.05 * 0.01, rel=1e-4)
+
+
+def test_loss_plugin_is_the_loss_trained_and_evaluated_with(tmp_path, monkeypatch):
+    """--loss manual_train.examples.focal_loss:focal_loss: training (the mean) and evaluation (reduction="sum") call
+    it; the default is the cross-entropy (tests/test_plugins.py checks its numbers)."""
+    from manual_train.examples import focal_loss
+
+    calls = []
+    real = focal_loss.focal_loss
+    monkeypatch.setattr(focal_loss, "focal_loss", lambda logits, y, reduction="mean": calls.append(reduction) or
+                        real(logits, y, reduction))
+    single.train(make_cfg(tmp_path, max_steps=1, loss="manual_train.examples.focal_loss:focal_loss", **TINY))
+    assert "mean" in calls and "sum" in calls, calls
+
+
+def test_synthetic_flags_shape_the_data_and_the_model(tmp_path, capsys):
+    """--dataset synthetic --synthetic-size 40 --synthetic-shape 1,6,6 --synthetic-classes 3: 40 training images
+    (and 40 // 4 to validate), the mlp takes 36 pixels and has 3 outputs."""
+    single.train(make_cfg(tmp_path, dataset="synthetic", synthetic_size=40, synthetic_shape="1,6,6",
+                          synthetic_classes=3, max_steps=1, **TINY))
+    assert "(40 train / 10 val)" in capsys.readouterr().out
+    shapes = [tuple(w.shape) for k, w in load_model_state(tmp_path / "run").items() if k.endswith("weight")]
+    assert shapes[0] == (128, 36) and shapes[-1] == (3, 128), shapes
+
+
+def test_block_size_and_text_samples_cut_the_text(tmp_path, capsys):
+    """--dataset pydoc --block-size 16 --text-samples 24: samples of 16 bytes (the GPT's context: 16 positions),
+    24 of them to train on."""
+    single.train(make_cfg(tmp_path, model="gpt", dataset="pydoc", block_size=16, text_samples=24, batch_size=8,
+                          max_steps=1, limit_val_batches="1"))
+    assert "(24 train / " in capsys.readouterr().out
+    assert load_model_state(tmp_path / "run")["pos.weight"].shape[0] == 16
+
+
+# ---------------------------------------------------------------------- data and model parallelism in one process
+def forward_rows(monkeypatch, cls) -> list:
+    """The batch sizes cls.forward is called with in training from now on (by the module itself and by every
+    replica; not the one-sample probe of the model summary, nor evaluation, which run without gradients)."""
+    rows = []
+    real = cls.forward
+
+    def recording(self, x, *args):
+        if torch.is_grad_enabled():
+            rows.append(x.shape[0])
+        return real(self, x, *args)
+
+    monkeypatch.setattr(cls, "forward", recording)
+    return rows
+
+
+def test_data_parallel_impl_and_devices_split_the_batch(tmp_path, monkeypatch, lone_process):
+    """launch/data_parallel.py --impl explicit --devices cpu,cpu,cpu, batch 12: the mlp's first forward takes a
+    chunk of 4 rows, one per device (--impl torch, the default, is nn.DataParallel, which on the CPU runs the module
+    on the whole batch: 12; --devices auto is cpu,cpu here: 6)."""
+    from manual_train.loops import data_parallel
+    from manual_train.models import MLP
+
+    rows = forward_rows(monkeypatch, MLP)
+    data_parallel.train(make_cfg(tmp_path, data_parallel.DataParallelConfig, impl="explicit", devices="cpu,cpu,cpu",
+                                 batch_size=12, max_steps=1, **dict(TINY, eval_batch_size=12)))
+    assert rows == [4, 4, 4], rows
+
+
+def test_hybrid_impl_and_devices_split_the_encoders_batch(tmp_path, monkeypatch, lone_process):
+    """launch/hybrid.py dp-mp --impl explicit --devices cpu x 6: the encoder, data-parallel over the first 3, takes
+    the batch of 8 in chunks of 3, 3, 2 (--impl torch: 8 at once; --devices auto, cpu x 4: 4 and 4)."""
+    from manual_train.loops import hybrid
+    from manual_train.models import Encoder
+
+    rows = forward_rows(monkeypatch, Encoder)
+    hybrid.train(make_cfg(tmp_path, hybrid.HybridConfig, impl="explicit", devices=",".join(["cpu"] * 6),
+                          model="seq2seq", dataset="reverse", synthetic_size=32, batch_size=8, max_steps=1,
+                          limit_val_batches="1", eval_batch_size=8))
+    assert rows == [3, 3, 2], rows
+
+
+def test_model_parallel_microbatches_cut_the_batch(tmp_path, monkeypatch, lone_process):
+    """launch/model_parallel.py --microbatches 2, batch 8: the encoder takes 4 rows at a time (the default, 1: 8)."""
+    from manual_train.loops import model_parallel
+    from manual_train.models import Encoder
+
+    rows = forward_rows(monkeypatch, Encoder)
+    model_parallel.train(make_cfg(tmp_path, model_parallel.ModelParallelConfig, microbatches=2, model="seq2seq",
+                                  dataset="reverse", synthetic_size=32, batch_size=8, max_steps=1,
+                                  limit_val_batches="1", eval_batch_size=8))
+    assert rows == [4, 4], rows
+
+
+def test_tensor_parallel_dp_shapes_the_mesh(monkeypatch):
+    """launch/tensor_parallel.py --dp 2 at 4 ranks (torchrun's environment, as the flags are checked there): the mesh
+    is 2 replicas x tp 2, not 1 x 4 (--dp 1, the default, with --tp 0). The 4-rank runs themselves:
+    tests/test_tensor_parallel.py."""
+    from manual_train.loops import tensor_parallel
+
+    as_torchrun_rank(monkeypatch, world_size=4)
+    cfg = config_from(tensor_parallel.TensorParallelConfig, model="gpt", dataset="reverse", dp=2)
+    assert cfg.mesh_shape(4) == (2, 2)
+
+
+def test_hybrid_mode_ddp_mp_runs_each_half_on_its_own_device(tmp_path, monkeypatch, lone_process):
+    """--mode ddp-mp --devices cpu,cpu (a group of one; its 2-rank runs: tests/test_hybrid.py): DDP over the plain
+    split, each half the model's own module; dp-mp, the default, wraps each half in data parallelism
+    (nn.DataParallel, --impl torch)."""
+    from manual_train.loops import hybrid
+    from manual_train.models import Decoder, Encoder
+
+    halves = []
+    real = hybrid.split_model
+
+    def recording(*args):
+        split = real(*args)
+        halves.append((type(split.encoder), type(split.decoder)))
+        return split
+
+    monkeypatch.setattr(hybrid, "split_model", recording)
+    hybrid.train(make_cfg(tmp_path, hybrid.HybridConfig, mode="ddp-mp", devices="cpu,cpu", model="seq2seq",
+                          dataset="reverse", synthetic_size=32, batch_size=8, max_steps=1, limit_val_batches="1",
+                          eval_batch_size=8))
+    assert halves == [(Encoder, Decoder)], halves
+
+
+def test_evaluate_precision_is_the_evaluations_dtype(checkpoint, monkeypatch, capsys):
+    """--precision 64-true on a 32-true run's checkpoint: the model evaluates in float64 (its logits too)."""
+    from manual_train import evaluate
+
+    dtypes = []
+    real = evaluate.loss_fn
+    monkeypatch.setattr(evaluate, "loss_fn", lambda logits, *a, **kw: dtypes.append(logits.dtype) or
+                        real(logits, *a, **kw))
+    assert evaluate.main(["--checkpoint", str(checkpoint), "--precision", "64-true", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["precision"] == "64-true"
+    assert dtypes and set(dtypes) == {torch.float64}, dtypes
+
+
+def test_zero_stage_3_reshards_after_forward(tmp_path, monkeypatch, lone_process):
+    """--impl torch --stage 3 (FSDP2, a group of one): when the loss is computed (forward done, backward not
+    begun) the GPT's blocks hold their sharded parameters again (DTensors); stage 2, the default, keeps the gathered
+    ones (plain tensors) until backward."""
+    from torch.distributed.tensor import DTensor
+
+    from manual_train.loops import zero as zero_loop
+
+    sharded, resharded = [], []
+    real_shard, real_loss = zero_loop.shard, zero_loop.loss_fn
+    monkeypatch.setattr(zero_loop, "shard", lambda *args: sharded.append(real_shard(*args)) or sharded[-1])
+
+    def loss_fn(logits, y, **kw):
+        if torch.is_grad_enabled():  # training: the forward's end
+            resharded.append(isinstance(sharded[-1].raw_model.blocks[0].attn.q.weight, DTensor))
+        return real_loss(logits, y, **kw)
+
+    monkeypatch.setattr(zero_loop, "loss_fn", loss_fn)
+    flags = dict(model="gpt", dataset="reverse", synthetic_size=32, batch_size=8, max_steps=1, limit_val_batches="1",
+                 eval_batch_size=8, impl="torch")
+    zero_loop.train(make_cfg(tmp_path / "a", zero_loop.ZeroConfig, stage=3, **flags))
+    zero_loop.train(make_cfg(tmp_path / "b", zero_loop.ZeroConfig, **flags))
+    assert resharded == [True, False], resharded

@@ -77,6 +77,8 @@ def pytest_runtestloop(session):
                 result.update(status="broken", how=f"every test exceeded the time limit: {result['slow']}")
             elif not result["hits"]:
                 result["how"] = "never active: no selected test gave the flag a value other than its default"
+            elif result["slow"]:  # not "the tests passed": the one that might have seen it never finished
+                result["how"] = f"the other tests passed; these exceeded the time limit: {result['slow']}"
         with open(os.environ["FLAG_RESULTS"], "a") as f:
             f.write(json.dumps(result) + "\n")
     return True
