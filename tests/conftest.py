@@ -279,6 +279,40 @@ def run_ok(script: str, *args: str, launcher=None,
     return proc
 
 
+# One real 2-rank torchrun job of launch/ddp.py, run once per pytest run and read by the tests whose subject is the
+# launch (tests/test_ddp_torchrun.py: its parity with one process and a killed worker's restart; tests/
+# test_preemption.py: a signal on one rank): their uninterrupted run is this one, not one job each. A job costs
+# torchrun's agent and one interpreter per rank (~35 s of CPU on a 2-core EPYC); the mlp in 64-true, 2 epochs of
+# digits at a global batch of 32 (47 steps an epoch) is the smallest run those tests' proofs need.
+DDP_TORCHRUN_FLAGS = ("--model", "mlp", "--batch-size", "16", "--epochs", "2", "--precision", "64-true",
+                      "--no-progress")
+
+
+@pytest.fixture(scope="session")
+def ddp_torchrun_uninterrupted(tmp_path_factory):
+    """(out dir, CompletedProcess) of `torchrun --nproc_per_node=2 launch/ddp.py *DDP_TORCHRUN_FLAGS --out-dir A`."""
+    out = tmp_path_factory.mktemp("ddp-torchrun-A")
+    proc = run_script("ddp", *DDP_TORCHRUN_FLAGS, "--out-dir", str(out), launcher=torchrun(2), timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out, proc
+
+
+# The same for one process: launch/single.py's uninterrupted run of the mlp (32-true, 2 epochs of digits at batch 64,
+# 24 steps an epoch), run once per pytest run for the tests that interrupt that script for real and compare its
+# resumed end with it bit for bit (a launch script on both sides: one kind of process). tests/test_preemption.py (a
+# signal) and tests/test_storage_faults.py (a full disk) read it.
+SINGLE_SCRIPT_FLAGS = ("--model", "mlp", "--epochs", "2", "--batch-size", "64", "--log-every", "5", "--no-progress")
+
+
+@pytest.fixture(scope="session")
+def single_script_uninterrupted(tmp_path_factory):
+    """The out dir of `python launch/single.py *SINGLE_SCRIPT_FLAGS --out-dir A` (a real subprocess)."""
+    out = tmp_path_factory.mktemp("single-script-A")
+    proc = run_script("single", *SINGLE_SCRIPT_FLAGS, "--out-dir", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
 TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                  "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RESTART_COUNT")
 

@@ -4,7 +4,8 @@
                            blocks on the GPT: dynamo captured graphs, with no graph break, and 2 steps in the
                            parity mode (64-true) end within 1e-9 of eager single.py
   the wrong order ........ torch.compile(DDP(model)) breaks the graph at DDP's forward: the breaks a test of the
-                           right order asserts to be zero are there, so that check can fail
+                           right order asserts to be zero are there, so that check can fail (dynamo's count: with
+                           backend="eager", whose graphs are not compiled by Inductor; the break is dynamo's)
   FSDP2 and pipeline ..... one 2-rank job: launch/zero.py --stage 2 and launch/pipeline.py with --compile blocks,
                            compiled after fully_shard / the split: graphs captured, no break, 2 steps within 1e-9
                            of eager single.py; the sharded root compiled as one graph (fullgraph) captures nothing
@@ -60,7 +61,9 @@ def test_compiled_gpt_captures_graphs_without_breaks_and_trains_as_eager(tmp_pat
 
 @pytest.mark.slow
 def test_compiling_the_ddp_wrapper_breaks_the_graph(lone_process):
-    """The order the loops do not use: dynamo stops at DDP's forward (its hooks and buckets are Python)."""
+    """The order the loops do not use: dynamo stops at DDP's forward (its hooks and buckets are Python). Graph breaks
+    are dynamo's: the same with any backend; backend="eager" runs the captured pieces as they are instead of compiling
+    them with Inductor (a whole GPT at another batch size than the tests above: tens of seconds of C++ compiling)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from manual_train.models import DataInfo, build_model
@@ -70,7 +73,7 @@ def test_compiling_the_ddp_wrapper_breaks_the_graph(lone_process):
         torch._dynamo.reset()
         counters.clear()
         torch.manual_seed(0)
-        model = torch.compile(DDP(build_model("gpt", DataInfo("reverse", (16,), 32, predict=8))))
+        model = torch.compile(DDP(build_model("gpt", DataInfo("reverse", (16,), 32, predict=8))), backend="eager")
         model(torch.randint(0, 32, (4, 16))).sum().backward()
         print(f"torch.compile(DDP(gpt)): {counters['stats']['unique_graphs']} graphs, {_breaks()} graph breaks")
         assert _breaks() > 0

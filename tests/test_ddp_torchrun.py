@@ -2,42 +2,34 @@
 
 torchrun is started as `python -m torch.distributed.run --standalone` (a free rendezvous port per job, so runs
 never collide). Every job costs torchrun's own import plus one per worker (~4-5 s each on this CPU), so each
-test starts one job, the uninterrupted 2-rank run is shared by the CLI parity and the restart tests, and the
-4-rank outputs contract is checked on the 4-rank job of tests/test_ddp_parity.py (the same loop and files).
+test starts one job, the uninterrupted 2-rank run (conftest's ddp_torchrun_uninterrupted: the mlp, 64-true) is shared
+by the CLI parity and the restart tests here and tests/test_preemption.py's signal test, and the 4-rank outputs
+contract is checked on the 4-rank job of tests/test_ddp_parity.py (the same loop and files).
 """
 from __future__ import annotations
 
 import csv
 
 import pytest
-from conftest import assert_same_path_bitwise, PARITY_TOL_64, load_model_state, max_param_diff, run_script, torchrun
+from conftest import (DDP_TORCHRUN_FLAGS, PARITY_TOL_64, assert_same_path_bitwise, load_model_state, max_param_diff,
+                      run_script, torchrun)
 
 
 FAULTY = "tests/faulty_ddp"  # launch/ddp.py with --fail-at-step/--fail-rank/--fail-mode (tests/faults.py)
-PRECISION = ("--precision", "64-true")  # the parity pair's proof holds on any CPU (tests/test_any_cpu.py)
 
 
 def error_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith("error: ")]
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    """torchrun --nproc_per_node=2 launch/ddp.py --batch-size 16 --epochs 2 --precision 64-true --out-dir A."""
-    out = tmp_path_factory.mktemp("A")
-    proc = run_script("ddp", "--batch-size", "16", "--epochs", "2", *PRECISION, "--out-dir", str(out), "--no-progress",
-                      launcher=torchrun(2), timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return out, proc
-
-
 @pytest.mark.slow
-def test_torchrun_two_ranks_batch_16_equals_single_process_batch_32(uninterrupted, reference):
-    a, proc_a = uninterrupted
+def test_torchrun_two_ranks_batch_16_equals_single_process_batch_32(ddp_torchrun_uninterrupted, reference):
+    """torchrun --nproc_per_node=2 launch/ddp.py --model mlp --batch-size 16 --epochs 2 --precision 64-true."""
+    a, proc_a = ddp_torchrun_uninterrupted
     # The single-device loop at batch 32, two epochs, 64-true, run in this process once per pytest run
-    # (conftest.reference; tests/test_data_parallel.py compares with the same run): launch/single.py is this call
-    # without the interpreter start, and a 64-true bound lets the two sides be two kinds of process.
-    b, _ = reference(batch_size=32, accumulate=1, epochs=2, precision="64-true", log_every=10)
+    # (conftest.reference): launch/single.py is this call without the interpreter start, and a 64-true bound lets
+    # the two sides be two kinds of process.
+    b, _ = reference(model="mlp", batch_size=32, accumulate=1, epochs=2, precision="64-true")
     diff = max_param_diff(load_model_state(a), b)
     assert diff <= PARITY_TOL_64, f"A/last.pt vs batch 32 in one process: max abs diff {diff:.3g}"
     assert "global batch 32 = batch 16 x accumulate 1 x world size 2" in proc_a.stdout
@@ -69,15 +61,15 @@ def test_an_exception_on_one_rank_ends_the_whole_job_promptly(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_killed_worker_restarts_from_last_pt_and_ends_with_the_uninterrupted_weights(uninterrupted, tmp_path):
+def test_a_killed_worker_restarts_from_last_pt_and_ends_with_the_uninterrupted_weights(ddp_torchrun_uninterrupted,
+                                                                                      tmp_path):
     """Rank 1 is SIGKILLed after 60 steps (mid-epoch 2; last.pt holds epoch 1's end, step 47); torchrun
     restarts the group once, every rank loads last.pt, and the run ends where the uninterrupted one did."""
-    a, _ = uninterrupted
+    a, _ = ddp_torchrun_uninterrupted
     out = tmp_path / "X"
-    proc = run_script(FAULTY, "--batch-size", "16", "--epochs", "2", *PRECISION, "--out-dir", str(out),
-                      "--resume", "auto", "--fail-at-step", "60", "--fail-rank", "1", "--fail-mode", "kill",
-                      "--no-progress",
-                      launcher=torchrun(2, "--max-restarts", "1"), timeout=240)
+    proc = run_script(FAULTY, *DDP_TORCHRUN_FLAGS, "--out-dir", str(out), "--resume", "auto", "--fail-at-step", "60",
+                      "--fail-rank", "1", "--fail-mode", "kill", launcher=torchrun(2, "--max-restarts", "1"),
+                      timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "exitcode: -9" in proc.stderr  # torchrun saw the SIGKILL ...
     assert f"resuming {out / 'last.pt'} at step 47, in epoch 2" in proc.stdout  # ... and the restart resumed

@@ -15,14 +15,15 @@ import signal
 import pytest
 import torch
 
-from conftest import assert_same_path_bitwise, final_weights, run_script, torchrun
+from conftest import (DDP_TORCHRUN_FLAGS, SINGLE_SCRIPT_FLAGS, assert_same_path_bitwise, final_weights, run_script,
+                      torchrun)
 from manual_train import checkpoint as ckpt_io
 from manual_train.cli import run
 from manual_train.errors import Preempted
 from manual_train.loops import single
 
 SIGNAL_AT = 5  # optimizer steps done when the signal arrives: it lands in step 6, which is finished and saved
-SINGLE = ["--model", "mlp", "--epochs", "2", "--batch-size", "64", "--log-every", "2", "--no-progress"]
+SINGLE = list(SINGLE_SCRIPT_FLAGS)  # the mlp, 2 epochs at batch 64 (24 steps an epoch), 32-true unless said
 DIST = ["--model", "mlp", "--epochs", "2", "--batch-size", "32", "--log-every", "2", "--no-progress"]
 
 
@@ -38,11 +39,16 @@ def stopped_by_signal(out_dir, name: str) -> dict:
 
 
 @pytest.mark.parametrize("mode, name, precision", [("term", "SIGTERM", "32-true"), ("usr1", "SIGUSR1", "64-true")])
-def test_one_process_saves_within_the_step_exits_75_and_resumes_bitwise(tmp_path, mode, name, precision):
-    """All three runs are launch scripts (fresh processes): a run in this pytest process may compute with another
-    number of intra-op threads, and fp32 sums in another order (one code path means one kind of process too)."""
+def test_one_process_saves_within_the_step_exits_75_and_resumes_bitwise(tmp_path, mode, name, precision, request):
+    """All three runs are launch scripts (fresh processes): bit for bit is a claim about one code path in one kind of
+    process. The 32-true uninterrupted run is conftest's single_script_uninterrupted (the same flags; once per pytest
+    run: tests/test_storage_faults.py compares with it too)."""
     argv = [*SINGLE, "--precision", precision]
-    assert run_script("single", *argv, "--out-dir", str(tmp_path / "full")).returncode == 0
+    if precision == "32-true":  # the default: the shared run's flags
+        full = request.getfixturevalue("single_script_uninterrupted")
+    else:
+        full = tmp_path / "full"
+        assert run_script("single", *argv, "--out-dir", str(full)).returncode == 0
     proc = run_script("tests/faulty_single", "--fail-at-step", str(SIGNAL_AT), "--fail-mode", mode, *argv,
                       "--out-dir", str(tmp_path / "cut"))
     assert proc.returncode == Preempted.EXIT_STATUS == 75, proc.stderr[-3000:]
@@ -53,20 +59,24 @@ def test_one_process_saves_within_the_step_exits_75_and_resumes_bitwise(tmp_path
     proc = run_script("single", *argv, "--out-dir", str(tmp_path / "cut"), "--resume", "auto")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"at step {SIGNAL_AT + 1}, in epoch 1" in proc.stdout  # a resume, not a rerun from scratch
-    assert_same_path_bitwise(final_weights(tmp_path / "full"), final_weights(tmp_path / "cut"), "resumed")
+    assert_same_path_bitwise(final_weights(full), final_weights(tmp_path / "cut"), "resumed")
 
 
-@pytest.mark.parametrize("script, extra, mode", [("ddp", [], "term"),
-                                                 ("zero", ["--stage", "3", "--checkpoint-format", "dcp"], "usr1")],
+@pytest.mark.parametrize("script, argv, mode", [
+    ("ddp", list(DDP_TORCHRUN_FLAGS), "term"), ("zero", [*DIST, "--stage", "3", "--checkpoint-format", "dcp"], "usr1")],
                          ids=["ddp-sigterm", "zero-fsdp2-dcp-sigusr1"])
-def test_a_signal_on_one_rank_stops_every_rank_at_the_same_step(tmp_path, script, extra, mode):
+def test_a_signal_on_one_rank_stops_every_rank_at_the_same_step(tmp_path, script, argv, mode, request):
     """torchrun, 2 ranks: rank 1 alone gets the signal during step 6. Both ranks agree after step 6 (a 1-element
     all-reduce per step on a gloo group), save (FSDP2: each rank its DCP shards), exit 75 (torchrun then reports the
     failed workers and exits 1, as it does for any worker status but 0); the resumed job ends where the
-    uninterrupted one does."""
-    argv = [*DIST, *extra]
-    proc = run_script(script, *argv, "--out-dir", str(tmp_path / "full"), launcher=torchrun(2))
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    uninterrupted one does. DDP's uninterrupted job is conftest's ddp_torchrun_uninterrupted (the same flags, one
+    job per pytest run: tests/test_ddp_torchrun.py reads it too)."""
+    if script == "ddp":
+        full = request.getfixturevalue("ddp_torchrun_uninterrupted")[0]
+    else:
+        full = tmp_path / "full"
+        proc = run_script(script, *argv, "--out-dir", str(full), launcher=torchrun(2))
+        assert proc.returncode == 0, proc.stderr[-3000:]
     proc = run_script(f"tests/faulty_{script}", "--fail-at-step", str(SIGNAL_AT), "--fail-rank", "1", "--fail-mode",
                       mode, *argv, "--out-dir", str(tmp_path / "cut"), launcher=torchrun(2))
     assert proc.returncode == 1 and "exitcode  : 75" in proc.stderr, proc.stderr[-3000:]
@@ -75,7 +85,7 @@ def test_a_signal_on_one_rank_stops_every_rank_at_the_same_step(tmp_path, script
     stopped_by_signal(tmp_path / "cut", name)
     proc = run_script(script, *argv, "--out-dir", str(tmp_path / "cut"), "--resume", "auto", launcher=torchrun(2))
     assert proc.returncode == 0 and f"at step {SIGNAL_AT + 1}, in epoch 1" in proc.stdout, proc.stderr[-3000:]
-    assert_same_path_bitwise(final_weights(tmp_path / "full"), final_weights(tmp_path / "cut"), "resumed")
+    assert_same_path_bitwise(final_weights(full), final_weights(tmp_path / "cut"), "resumed")
 
 
 def test_a_second_signal_while_saving_changes_nothing(tmp_path, monkeypatch, capsys):
@@ -107,15 +117,20 @@ def test_a_second_signal_while_saving_changes_nothing(tmp_path, monkeypatch, cap
     assert_same_path_bitwise(final_weights(tmp_path / "full"), final_weights(tmp_path / "cut"), "resumed")
 
 
-def test_save_on_signal_none_leaves_the_default_and_bad_names_are_one_line(tmp_path):
+def test_save_on_signal_none_leaves_the_default_and_bad_names_are_one_line(tmp_path, capsys):
+    """The default disposition is the process's (a real one: it dies of the signal). A bad name is refused by the
+    CLI's validation (manual_train/cli.py's run, called here as launch/single.py calls it: the launch script itself
+    adds nothing to a refusal; tests/test_cli.py holds the real script's exit status 2 and its one line)."""
     proc = run_script("tests/faulty_single", "--fail-at-step", str(SIGNAL_AT), "--fail-mode", "term", *SINGLE,
                       "--save-on-signal", "none", "--out-dir", str(tmp_path / "cut"))
     assert proc.returncode == -signal.SIGTERM and not (tmp_path / "cut" / "summary.json").exists()
     for bad, words in (("KILL", "SIGKILL cannot be caught"), ("TERM,NOPE", "unknown signal NOPE")):
-        proc = run_script("single", "--save-on-signal", bad, "--out-dir", str(tmp_path / bad))
-        err = proc.stderr.strip().splitlines()
-        assert proc.returncode == 2 and len(err) == 1 and err[0].startswith("error: --save-on-signal: "), err
+        capsys.readouterr()
+        status = run(single.train, script="single", argv=["--save-on-signal", bad, "--out-dir", str(tmp_path / bad)])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert status == 2 and len(err) == 1 and err[0].startswith("error: --save-on-signal: "), err
         assert words in err[0] and not (tmp_path / bad).exists()
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # a refused run installs no handler
 
 
 def test_sigterm_to_torchrun_reaches_the_workers_which_save_and_stop(tmp_path):

@@ -20,13 +20,13 @@ import subprocess
 import pytest
 import torch
 
-from conftest import assert_same_path_bitwise, final_weights, run_script
+from conftest import SINGLE_SCRIPT_FLAGS, assert_same_path_bitwise, final_weights, run_script
 from manual_train import checkpoint, metrics
 from manual_train.cli import run
 from manual_train.errors import StorageError
 from manual_train.loops import single
 
-ARGS = ["--model", "mlp", "--epochs", "2", "--batch-size", "64", "--no-progress", "--log-every", "5"]
+ARGS = list(SINGLE_SCRIPT_FLAGS)  # the mlp, 2 epochs at batch 64, logged every 5 steps
 FAULTS = {errno.ENOSPC: "disk full", errno.EIO: "I/O error", errno.EROFS: "read-only file system",
           errno.ENOENT: "the folder is gone"}
 
@@ -149,12 +149,12 @@ def small_tmpfs(tmp_path):
         subprocess.run(["umount", "-l", str(disk)], check=False)
 
 
-def test_a_real_full_disk_through_the_script(small_tmpfs, tmp_path):
+def test_a_real_full_disk_through_the_script(small_tmpfs, single_script_uninterrupted):
     """launch/single.py with its out dir on a small tmpfs that fills in epoch 2. Room is left for epoch 1's two
-    checkpoints and the rows, not for epoch 2's temporary last.pt. The uninterrupted run is a launch script too
-    (this pytest process may compute with another number of threads: fp32 sums in another order)."""
-    out, uninterrupted = small_tmpfs / "run", tmp_path / "ref"
-    assert run_script("single", *ARGS, "--out-dir", str(uninterrupted)).returncode == 0
+    checkpoints and the rows, not for epoch 2's temporary last.pt. The uninterrupted run is a launch script too (bit
+    for bit is a claim about one kind of process): conftest's single_script_uninterrupted, the same flags, run once
+    per pytest run (tests/test_preemption.py compares with it too)."""
+    out, uninterrupted = small_tmpfs / "run", single_script_uninterrupted
     ckpt_bytes = (uninterrupted / "last.pt").stat().st_size
     free = os.statvfs(small_tmpfs).f_bavail * os.statvfs(small_tmpfs).f_frsize
     (small_tmpfs / "filler").write_bytes(b"\0" * (free - 2 * ckpt_bytes - ckpt_bytes // 2))
