@@ -47,8 +47,9 @@ class JobHung(pytest.fail.Exception):
     and the message names each live process, its rank and where it waited."""
 
 
-def _proc_table() -> dict[int, tuple[int, float]]:
-    """{pid: (parent pid, CPU seconds of it and its reaped children)} for every process now."""
+def _proc_table() -> dict[int, tuple[int, float, int]]:
+    """{pid: (parent pid, CPU seconds of it and its reaped children, start time in clock ticks)} for every process
+    now (pid and start time name a process even after its pid is reused)."""
     table = {}
     for entry in os.scandir("/proc"):
         if entry.name.isdigit():
@@ -57,14 +58,14 @@ def _proc_table() -> dict[int, tuple[int, float]]:
             except OSError:  # ended meanwhile
                 continue
             fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "; comm may hold spaces
-            table[int(entry.name)] = (int(fields[1]), sum(int(f) for f in fields[11:15]) / _CLK_TCK)
+            table[int(entry.name)] = (int(fields[1]), sum(int(f) for f in fields[11:15]) / _CLK_TCK, int(fields[19]))
     return table
 
 
 def _tree(roots: list[int], table: dict) -> list[int]:
     """roots and all their live descendants (torchrun starts its ranks in sessions of their own: not one group)."""
     children: dict[int, list[int]] = {}
-    for pid, (ppid, _) in table.items():
+    for pid, (ppid, *_) in table.items():
         children.setdefault(ppid, []).append(pid)
     found, todo = [], [p for p in roots if p in table]
     while todo:
@@ -135,12 +136,17 @@ class Watch:
     def __init__(self, roots: list[int], deadline_s: float | None, idle_s: float | None = IDLE_S):
         self.roots, self.deadline_s, self.idle_s = roots, deadline_s, idle_s
         self.start = time.monotonic()
-        self.samples: list[tuple[float, float]] = []  # (time, the tree's CPU seconds)
+        self.samples: list[tuple[float, float]] = []  # (time, CPU seconds the tree has used so far)
+        self.seen: dict[tuple[int, int], float] = {}  # (pid, start time): its CPU seconds when last seen
 
     def check(self) -> str | None:
         now = time.monotonic()
         table = _proc_table()
-        self.samples.append((now, sum(table[p][1] for p in _tree(self.roots, table))))
+        for pid in _tree(self.roots, table):
+            self.seen[pid, table[pid][2]] = table[pid][1]
+        # A process that ended keeps the CPU it used: a rank that finishes first (its CPU gone from /proc) must not
+        # make the job's use negative, so read as hung (CI, 2026-12-04: "used -80.26 s of CPU in the last 63 s").
+        self.samples.append((now, sum(self.seen.values())))
         if self.deadline_s is not None and now - self.start > self.deadline_s:
             return f"past its deadline of {self.deadline_s:g} s"
         if self.idle_s is None:

@@ -61,3 +61,38 @@ def test_a_hung_torchrun_job_fails_within_its_deadline_naming_each_rank(tmp_path
     rank0 = next(line for line in lines if line.strip().startswith("rank 0 (pid"))
     assert "(no stack dumped)" not in rank0, rank0
     assert "torch.distributed.run" in message  # torchrun's agent, ended with its ranks
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_that_ends_first_keeps_its_cpu_so_the_job_is_not_read_as_hung():
+    """The watcher sums CPU over the job's processes; a rank that finishes before the others leaves /proc. Its CPU
+    must stay in the sum, or the job's use over the window goes negative and a working job is ended as hung (CI,
+    2026-12-04: "used -80.26 s of CPU in the last 63 s", both ranks done). A job that then truly waits is still hung."""
+    import subprocess
+    import sys
+    import time
+
+    from jobs import Watch
+
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 1.5: pass"
+    burner = subprocess.Popen([sys.executable, "-c", burn])
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(40)"])
+    try:
+        watch = Watch([burner.pid, sleeper.pid], deadline_s=None, idle_s=2)
+        while burner.poll() is None:
+            assert watch.check() is None  # burning: not hung
+            time.sleep(0.2)
+        burner.wait()  # reaped: gone from /proc, as a finished rank is
+        why = None
+        for _ in range(60):  # the sleeper alone: hung once 2 s pass without CPU, within 12 s
+            why = watch.check()
+            if why:
+                break
+            time.sleep(0.2)
+        cpu = [c for _, c in watch.samples]
+        assert cpu == sorted(cpu), f"the job's CPU went down when a process ended: {cpu}"
+        assert max(cpu) >= 1.0, cpu  # the burner's 1.5 s are still counted
+        assert why and why.startswith("hung") and "used 0." in why and "-" not in why.split("used")[1][:3], why
+    finally:
+        sleeper.kill()
+        burner.kill()
