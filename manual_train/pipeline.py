@@ -76,6 +76,10 @@ class PipelineConfig(DDPConfig):
             raise UsageError("--stages", f"{self.stages} stages x --dp {self.dp} != world size {world_size} "
                                          "(one stage per rank)", f"{world_size}, or 0")
         per_rank = 2 if self.impl == "torch" and self.pipeline_schedule == "interleaved-1f1b" else 1
+        if per_rank > 1 and world_size == 1:  # torch 2.14: its backward fails ("can't steal_bwd_input ...")
+            raise UsageError("--pipeline-schedule", "interleaved-1f1b needs 2 or more ranks: with both stages on one "
+                                                    "rank torch.distributed.pipelining fails at the first backward",
+                             "torchrun --nproc_per_node=2 or more, or gpipe / 1f1b")
         if GPT_LAYERS % (world_size * per_rank):
             raise UsageError("--stages", f"{world_size * per_rank} stages do not divide the GPT's {GPT_LAYERS} "
                                          "blocks" + (" (interleaved-1f1b: two stages per rank)" if per_rank > 1

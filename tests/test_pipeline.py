@@ -170,6 +170,8 @@ def test_uneven_micro_batches_are_tensor_splits_and_padding_is_ignored():
     (("--stages", "3"), {}, "--stages: 3 stages x --dp 1 != world size 1"),
     ((), dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="3", LOCAL_WORLD_SIZE="3", MASTER_ADDR="127.0.0.1",
               MASTER_PORT="29999"), "--stages: 3 stages do not divide the GPT's 4 blocks"),
+    (("--impl", "torch", "--pipeline-schedule", "interleaved-1f1b"), {},
+     "--pipeline-schedule: interleaved-1f1b needs 2 or more ranks"),
     (("--impl", "torch", "--pipeline-schedule", "interleaved-1f1b"),
      dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="4", LOCAL_WORLD_SIZE="4", MASTER_ADDR="127.0.0.1",
           MASTER_PORT="29999"), "8 stages do not divide the GPT's 4 blocks (interleaved-1f1b: two stages per rank)"),
