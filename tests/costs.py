@@ -25,12 +25,15 @@ _real_popen = subprocess.Popen
 
 
 class CountingPopen(_real_popen):
-    """subprocess.Popen that counts the interpreters it starts: 1, or torchrun's agent plus --nproc_per_node ranks."""
+    """subprocess.Popen that counts the Python interpreters it starts: 1, or torchrun's agent plus --nproc_per_node
+    ranks. Other programs are not counted: inductor's C++ compiler (g++, a few per compiled graph), nvidia-smi."""
 
     def __init__(self, args, *rest, **kw):
         argv = [str(a) for a in (args if isinstance(args, (list, tuple)) else [args])]
-        ranks = int(argv[argv.index("--nproc_per_node") + 1]) if "--nproc_per_node" in argv else 0
-        started["interpreters"] += 1 + ranks
+        program = Path(argv[0].split()[0] if kw.get("shell") else argv[0]).name
+        if program.startswith("python") or program == "torchrun":
+            ranks = int(argv[argv.index("--nproc_per_node") + 1]) if "--nproc_per_node" in argv else 0
+            started["interpreters"] += 1 + ranks
         super().__init__(args, *rest, **kw)
 
 
