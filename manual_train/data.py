@@ -146,6 +146,8 @@ def _idx_problem(path: Path, kind: str):
 def _one_line(e: BaseException) -> str:
     """An exception as one line: its first line and, for a multi-line one, its last (where the cause usually is)."""
     lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    if not lines:  # an exception without a message (torchvision raises some): its type alone, not an IndexError
+        return type(e).__name__
     text = lines[0] if len(lines) < 2 else f"{lines[0].rstrip(':')}: {lines[-1]}"
     return f"{type(e).__name__}: {text}" if lines else type(e).__name__
 

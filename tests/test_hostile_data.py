@@ -110,6 +110,90 @@ def test_missing_file_names_it_and_says_how_to_fix_it(tmp_path, capsys):
                     f"({root / 'MNIST' / 'raw' / VAL_LABELS} is missing)")
 
 
+@pytest.mark.parametrize("split", ["train", "t10k"])
+def test_a_missing_file_of_either_split_is_the_one_named(tmp_path, capsys, split):
+    """torchvision wants all four files whichever split it loads: the one named is the one missing, train's too."""
+    root = write_tiny_mnist(tmp_path / "data")
+    missing = root / "MNIST" / "raw" / f"{split}-images-idx3-ubyte"
+    missing.unlink()
+    line = refused(capsys, tmp_path, ["--dataset", "mnist", "--data-root", str(root)])
+    assert line.endswith(f"({missing} is missing)"), line
+
+
+def test_a_multi_line_loader_error_keeps_its_first_and_last_lines():
+    assert data._one_line(RuntimeError("Error downloading x:\n  first cause\n  [Errno 101] unreachable")) == \
+        "RuntimeError: Error downloading x: [Errno 101] unreachable"
+    assert data._one_line(OSError("one line")) == "OSError: one line"
+    assert data._one_line(ValueError("")) == "ValueError"
+
+
+def _runtime(text: str) -> str:
+    """The flag's value as a string built at run time, as sys.argv's are (a literal in a test is interned, so code
+    comparing with `is` would pass here and fail from the command line)."""
+    return "".join(list(text))
+
+
+@pytest.mark.parametrize("dataset, cls, mean, std", [("mnist", "MNIST", 0.1307, 0.3081),
+                                                     ("fashion-mnist", "FashionMNIST", 0.2860, 0.3530)])
+def test_mnist_and_fashion_mnist_read_their_own_folder_and_normalize_with_their_own_statistics(tmp_path, dataset, cls,
+                                                                                                mean, std):
+    root = write_tiny_mnist(tmp_path / "data", folder=cls)
+    raw = read_idx(root / cls / "raw" / "train-images-idx3-ubyte")
+    train_ds, val_ds, info = data.build_datasets(make_cfg(tmp_path, dataset=_runtime(dataset), data_root=str(root)))
+    assert type(train_ds).__name__ == cls and info == models.DataInfo(dataset, (1, 28, 28), 10)
+    x, _ = train_ds[0]
+    torch.testing.assert_close(x[0], (torch.tensor(raw[0], dtype=torch.float32) / 255 - mean) / std)
+
+
+def write_tiny_cifar(root: Path, per_batch: int = 4) -> Path:
+    """CIFAR-10's python files (5 training batches, a test batch, the meta file) holding a uniform grey 32x32 image
+    per sample, labels 0, 1, 2, ..."""
+    import pickle
+
+    folder = root / "cifar-10-batches-py"
+    folder.mkdir(parents=True)
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        batch = {"data": np.full((per_batch, 3 * 32 * 32), 200, np.uint8), "labels": list(range(per_batch))}
+        (folder / name).write_bytes(pickle.dumps(batch))
+    (folder / "batches.meta").write_bytes(pickle.dumps({"label_names": [f"class {i}" for i in range(10)]}))
+    return root
+
+
+def test_cifar10_is_read_by_torchvision_normalized_and_its_crops_pad_4_pixels_per_sample(tmp_path, monkeypatch):
+    """cifar10 through torchvision's own reader (only its MD5 check, of the real files' digests, is bypassed): the
+    validation images normalized with cifar10's per-channel statistics; the training set wrapped in PerSampleRNG
+    (its crops and flips a function of the sample), whose random crops show at most 4 pixels of zero padding on a
+    side, and all 4 in some draws."""
+    import torchvision.datasets.cifar
+
+    monkeypatch.setattr(torchvision.datasets.cifar, "check_integrity", lambda *args, **kwargs: True)
+    root = write_tiny_cifar(tmp_path / "data")
+    train_ds, val_ds, info = data.build_datasets(make_cfg(tmp_path, dataset=_runtime("cifar10"), data_root=str(root),
+                                                          model="mlp"))
+    assert isinstance(train_ds, data.PerSampleRNG) and not isinstance(val_ds, data.PerSampleRNG)
+    # the wrapper passes on the wrapped set's attributes (CIFAR10's classes, data, targets)
+    assert (train_ds.classes[:2], len(train_ds.data), train_ds.targets[:5]) == (["class 0", "class 1"], 20,
+                                                                                [0, 1, 2, 3, 0])
+    assert (len(train_ds), len(val_ds), info) == (20, 4, models.DataInfo("cifar10", (3, 32, 32), 10))
+    mean, std = torch.tensor([0.4914, 0.4822, 0.4465]), torch.tensor([0.2470, 0.2435, 0.2616])
+    x, y = val_ds[1]
+    assert y == 1
+    torch.testing.assert_close(x, ((200 / 255 - mean) / std).view(3, 1, 1).expand(3, 32, 32))
+    padding = (-mean / std)[0]  # a zero pixel of the padding, normalized (channel 0)
+    widths = []
+    for epoch in range(5):
+        train_ds.set_epoch(epoch)
+        for i in range(len(train_ds)):
+            x, _ = train_ds[i]
+            border = (x[0] - padding).abs() < 1e-5
+            rows, cols = border.all(1), border.all(0)
+            widths += [int(rows[:8].sum()), int(rows[-8:].sum()), int(cols[:8].sum()), int(cols[-8:].sum())]
+    assert max(widths) == 4, sorted(set(widths))
+    again = data.build_datasets(make_cfg(tmp_path, dataset="cifar10", data_root=str(root), model="mlp"))[0]
+    again.set_epoch(4)
+    assert torch.equal(again[3][0], train_ds[3][0])  # the same sample, epoch and seed: the same crop
+
+
 def test_intact_files_pass_the_checks(tmp_path):
     """The control: the same tiny files, uncorrupted, load (the checks refuse the corruption, not the files)."""
     root = write_tiny_mnist(tmp_path / "data")
