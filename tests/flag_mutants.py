@@ -99,6 +99,7 @@ class FlagMutant:
     field: str  # the dest / field name
     tool: str  # a module whose tests alone may name it ("" for the launch scripts' shared config)
     tests: list = dataclasses.field(default_factory=list)
+    shared: bool = False  # another config class declares a field of this name (select_tests)
 
 
 @dataclass
@@ -232,13 +233,23 @@ def names_flag(text: str, mutant: FlagMutant) -> bool:
 
 
 def cost(t: TestText, m: FlagMutant) -> tuple:
-    """A test that names the flag itself before one whose helpers do; the observing tests, then the light ones."""
-    return (not names_flag(t.own, m), t.file != OBSERVED, sum(h in t.text for h in HEAVY), len(t.text))
+    """A test that names the flag itself before one whose helpers do; then, for a field that several config classes
+    declare (--impl: DataParallelConfig's, HybridConfig's, ZeroConfig's), one that names the flag's own class; the
+    observing tests, then the light ones."""
+    owner = m.spec.split(":")[1] if m.spec.startswith("config:") and m.shared else ""
+    return (not names_flag(t.own, m), not (owner and re.search(rf"\b{owner}\b", t.own)), t.file != OBSERVED,
+            sum(h in t.text for h in HEAVY), len(t.text))
 
 
 def select_tests(mutants: list[FlagMutant], max_tests: int = MAX_TESTS) -> None:
     texts = [t for t in _test_texts() if not any(s in t.text for s in SKIP_MARKS)
              and not NOT_OBSERVING.search(t.node.split("::")[-1]) and t.file != "test_hostile_flags.py"]
+    def loop_class(m):  # a launch script's own config class (not the shared base Config, not a tool's)
+        return m.spec.startswith("config:") and not m.tool and m.spec.split(":")[1] != "Config"
+
+    fields = [m.field for m in mutants if loop_class(m)]
+    for m in mutants:
+        m.shared = loop_class(m) and fields.count(m.field) > 1
     for m in mutants:
         pool = [t for t in texts if not m.tool or m.tool in t.text or m.tool in t.file]
         chosen = sorted((t for t in pool if names_flag(t.text, m)), key=lambda t: cost(t, m))

@@ -219,3 +219,46 @@ def test_divergence_after_a_checkpoint_keeps_it(tmp_path, monkeypatch):
         single.train(make_cfg(tmp_path, model="mlp", epochs=3, log_every=1))
     kept = torch.load(tmp_path / "run" / "last.pt", weights_only=True)
     assert kept["step"] == 47 and all(v.isfinite().all() for v in kept["model"].values())
+
+
+def test_checkpoint_rng_state_restores_every_stream_where_it_was(tmp_path):
+    """capture_rng -> torch.save -> torch.load(weights_only=True) -> restore_rng: python's, numpy's (its position in
+    the Mersenne state too, not only the keys) and torch's streams continue as if never interrupted."""
+    import random
+
+    import numpy as np
+
+    random.seed(1), np.random.seed(1), torch.manual_seed(1)
+    random.random(), np.random.rand(7), np.random.randn(1), torch.rand(3)  # mid-stream; numpy holds a cached gaussian
+    ckpt_mod.save_checkpoint({"rng": ckpt_mod.capture_rng()}, tmp_path / "rng.pt")
+    expected = (random.random(), np.random.rand(5).tolist(), np.random.randn(3).tolist(), torch.rand(4))
+    random.seed(2), np.random.seed(2), torch.manual_seed(2)  # elsewhere in every stream
+    ckpt_mod.restore_rng(torch.load(tmp_path / "rng.pt", weights_only=True)["rng"])
+    got = (random.random(), np.random.rand(5).tolist(), np.random.randn(3).tolist(), torch.rand(4))
+    assert got[:3] == expected[:3] and torch.equal(got[3], expected[3])
+
+
+def test_save_checkpoint_into_a_folder_that_is_gone_is_a_storage_error_naming_it(tmp_path):
+    """The temporary file was never created: its cleanup must not replace the StorageError with its own error."""
+    from manual_train.errors import StorageError
+
+    with pytest.raises(StorageError, match="the folder is gone"):
+        ckpt_mod.save_checkpoint({"step": 1}, tmp_path / "gone" / "last.pt")
+
+
+def test_checkpoint_left_by_a_failed_save_is_read_weights_only(tmp_path):
+    """After a failed save the message says what the previous file holds, read with weights_only=True: a file that
+    is a pickle of arbitrary objects is reported untouched, and its code never runs."""
+    import pathlib
+
+    marker = tmp_path / "the pickle ran"
+
+    class Payload:
+        def __reduce__(self):
+            return pathlib.Path.touch, (marker,)
+
+    torch.save({"progress": Payload()}, tmp_path / "last.pt")
+    assert ckpt_mod.what_is_intact(tmp_path / "last.pt") == "the previous last.pt is untouched"
+    assert not marker.exists()
+    ckpt_mod.save_checkpoint({"progress": {"micro_steps_done": 0}, "epoch": 3, "step": 12}, tmp_path / "last.pt")
+    assert ckpt_mod.what_is_intact(tmp_path / "last.pt") == "the previous last.pt (after epoch 3, step 12) is intact"

@@ -149,3 +149,38 @@ def test_the_banner_suggests_workers_from_the_ranks_on_this_node(monkeypatch, ca
         monkeypatch.setenv(name, value)  # rank 0 of 8, on a node of 2, as torchrun sets them
     single.train(make_cfg(tmp_path, model="mlp", max_steps=1))
     assert "(suggested here: 7)" in capsys.readouterr().out  # 16 CPUs / 2 local ranks - 1
+
+
+@pytest.mark.parametrize("pad", [False, True])
+def test_uneven_shards_give_every_rank_as_many_batches_and_pad_false_an_empty_last_one(tmp_path, pad):
+    """9 samples on 2 ranks, batches of 2: rank 0 holds 5, rank 1 holds 4 (pad=False, the DDP loops') and still runs
+    3 micro-batches, its last empty, so no rank waits in an all-reduce the other never joins; pad=True (torch's own
+    rule) fills rank 1 with a repeat instead: 5 and 5."""
+    ds = torch.utils.data.TensorDataset(torch.arange(9.0).view(9, 1), torch.arange(9))
+    cfg = make_cfg(tmp_path)
+    sizes = []
+    for rank in (0, 1):
+        sampler = data.train_sampler(ds, seed=0, world_size=2, rank=rank, pad=pad)
+        loader = data.build_loader(ds, cfg, torch.device("cpu"), batch_size=2, sampler=sampler)
+        sizes.append([len(y) for _, y in loader])
+    assert sizes == ([[2, 2, 1], [2, 2, 0]] if not pad else [[2, 2, 1], [2, 2, 1]]), sizes
+
+
+def test_target_counts_are_a_datasets_tensor_of_them_and_nothing_else():
+    class Chunks(torch.utils.data.Dataset):
+        targets_per_sample = torch.tensor([3, 1, 2])
+
+    class Listed(torch.utils.data.Dataset):
+        targets_per_sample = [3, 1, 2]  # not a tensor: not taken
+
+    assert torch.equal(data.target_counts(Chunks()), torch.tensor([3, 1, 2]))
+    assert data.target_counts(Listed()) is None and data.target_counts(torch.utils.data.TensorDataset()) is None
+
+
+def test_reverse_is_token_rows_for_the_gpt_and_digit_pairs_for_the_seq2seq(tmp_path):
+    from manual_train import tokens
+
+    gpt_train, _, gpt_info = data.build_datasets(make_cfg(tmp_path, dataset="reverse", model="gpt"))
+    s2s_train, _, s2s_info = data.build_datasets(make_cfg(tmp_path, dataset="reverse", model="seq2seq"))
+    assert isinstance(gpt_train, tokens.ReverseLM) and isinstance(s2s_train, data.ReverseDigits)
+    assert gpt_info != s2s_info
