@@ -262,3 +262,61 @@ def test_checkpoint_left_by_a_failed_save_is_read_weights_only(tmp_path):
     assert not marker.exists()
     ckpt_mod.save_checkpoint({"progress": {"micro_steps_done": 0}, "epoch": 3, "step": 12}, tmp_path / "last.pt")
     assert ckpt_mod.what_is_intact(tmp_path / "last.pt") == "the previous last.pt (after epoch 3, step 12) is intact"
+
+
+def _dcp_folder(tmp_path):
+    """A dcp checkpoint as Run writes one, in this process alone (DCP needs no process group for one writer): a
+    Linear and its Adam state after one step, the shards by save_sharded, meta.pt beside them."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.randn(4, 3)).square().sum().backward()
+    optimizer.step()
+    folder = tmp_path / "step-1.dcp"
+    rest, _ = ckpt_mod.save_sharded(model, optimizer, folder)
+    ckpt_mod.save_checkpoint(_meta("dcp", rest), folder / ckpt_mod.DCP_META)
+    return folder, model, optimizer
+
+
+def _meta(fmt: str, rest: dict) -> dict:
+    """meta.pt: a checkpoint's keys (the tensors' are empty: they are the shards), the format and `rest`."""
+    return {**{k: {} for k in ckpt_mod.REQUIRED_KEYS}, "epoch": 0, "world_size": 1, "step": 1, "format": fmt,
+            "rest": rest}
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP in one process, as intended here
+def test_checkpoint_dcp_folder_loads_whole_and_each_bad_folder_is_one_line_naming_the_flag(tmp_path):
+    import shutil
+    from pathlib import Path
+
+    folder, model, optimizer = _dcp_folder(tmp_path)
+    full = ckpt_mod.load_dcp(folder, "--checkpoint")
+    assert full["step"] == 1 and full["dcp"] == str(folder.resolve())
+    assert all(torch.equal(full["model"][k], v) for k, v in model.state_dict().items())
+    assert torch.equal(full["optimizer"]["state"][0]["exp_avg"], optimizer.state_dict()["state"][0]["exp_avg"])
+
+    def refused(folder) -> str:
+        with pytest.raises(ckpt_mod.UsageError) as e:
+            ckpt_mod.load_dcp(folder, "--checkpoint")
+        assert str(e.value).startswith(f"--checkpoint: {folder}"), str(e.value)
+        return str(e.value)
+
+    def copy(name):
+        return Path(shutil.copytree(folder, tmp_path / name))
+
+    (tmp_path / "empty").mkdir()
+    assert "is not a readable DCP checkpoint" in refused(tmp_path / "empty")
+    cut = copy("cut")
+    shard = next(cut.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:-1])
+    assert "is missing or has a truncated shard file" in refused(cut)
+    no_meta = copy("no-meta")
+    (no_meta / ckpt_mod.DCP_META).unlink()
+    assert "is not a manual_train dcp checkpoint" in refused(no_meta)
+    other = copy("other-format")
+    ckpt_mod.save_checkpoint(_meta("a", {}), other / ckpt_mod.DCP_META)
+    assert "is not a manual_train dcp checkpoint" in refused(other)
+    garbled = copy("garbled")
+    shard = next(garbled.glob("*.distcp"))
+    shard.write_bytes(bytes(len(shard.read_bytes())))  # the right size, zeros: DCP cannot read its tensors
+    assert "its shards cannot be read" in refused(garbled)
