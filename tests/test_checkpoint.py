@@ -320,3 +320,69 @@ def test_checkpoint_dcp_folder_loads_whole_and_each_bad_folder_is_one_line_namin
     shard = next(garbled.glob("*.distcp"))
     shard.write_bytes(bytes(len(shard.read_bytes())))  # the right size, zeros: DCP cannot read its tensors
     assert "its shards cannot be read" in refused(garbled)
+
+
+def _saved(tmp_path, step=5, world_size=1, progress=None, **flags) -> dict:
+    """The keys check_compatible reads, as build_checkpoint writes them, for a run of these flags."""
+    import dataclasses
+
+    cfg = make_cfg(tmp_path, **flags)
+    return {"config": dataclasses.asdict(cfg), "world_size": world_size, "step": step, "epoch": 0, "early_stopping": {},
+            "progress": {"epoch_samples_done": 0, **(progress or {})}}
+
+
+def test_checkpoint_resume_at_another_world_size_is_allowed_without_dropout_and_refused_with_it(tmp_path):
+    """The same global batch of 8 split over 2 ranks (batch 4): allowed; with dropout, each rank's own masks cannot
+    be redrawn by 2 ranks: refused, naming both world sizes."""
+    ckpt_mod.check_compatible(_saved(tmp_path, batch_size=8), make_cfg(tmp_path, batch_size=4), 8, 10)
+    with pytest.raises(ckpt_mod.UsageError) as refused:
+        ckpt_mod.check_compatible(_saved(tmp_path, batch_size=8, dropout=0.1),
+                                  make_cfg(tmp_path, batch_size=4, dropout=0.1), 8, 10)
+    assert str(refused.value).startswith("--resume: the checkpoint was written at world size 1, this run has 2: "
+                                         "with --dropout 0.1"), str(refused.value)
+
+
+def test_checkpoint_limit_train_batches_must_count_the_same_micro_batch_and_the_step_must_be_ahead(tmp_path):
+    saved = _saved(tmp_path, batch_size=8, limit_train_batches="3")
+    with pytest.raises(ckpt_mod.UsageError) as refused:  # batch 2 x accumulate 2 x 2 ranks: 8, micro-batches of 4
+        ckpt_mod.check_compatible(saved, make_cfg(tmp_path, batch_size=2, accumulate=2, limit_train_batches="3"),
+                                  8, 10)
+    assert str(refused.value).startswith("--limit-train-batches: counts micro-batches, of 8 samples (all ranks) in "
+                                         "the checkpoint's run and of 4 in this one"), str(refused.value)
+    for flags, flag in (({}, "--epochs"), ({"max_steps": 3}, "--max-steps")):  # (constant: no schedule length)
+        with pytest.raises(ckpt_mod.UsageError) as refused:
+            ckpt_mod.check_compatible(_saved(tmp_path, step=5, schedule="constant"),
+                                      make_cfg(tmp_path, schedule="constant", **flags), 32, 3)
+        assert str(refused.value).startswith(f"{flag}: this run ends after 3 optimizer steps, before the "
+                                             "checkpoint's step 5"), str(refused.value)
+
+
+def test_checkpoint_without_samples_seen_resumes_from_0_and_first_line_is_at_most_160_characters(tmp_path):
+    ckpt = _saved(tmp_path, progress={"micro_steps_done": 0})
+    assert ckpt_mod.resume_point(ckpt, 32) == (0, 0, 5, 0, {})
+    ckpt["progress"]["samples_seen"] = 160
+    assert ckpt_mod.resume_point(ckpt, 32)[3] == 160
+    assert ckpt_mod.first_line(RuntimeError("x" * 300 + "\nsecond")) == "x" * 160
+    assert ckpt_mod.first_line(RuntimeError("")) == "RuntimeError"
+
+
+def test_checkpoint_folders_no_link_points_at_are_removed_and_the_linked_ones_kept(tmp_path):
+    for name in (".dcp-1", ".dcp-2", ".dcp-3"):
+        (tmp_path / name).mkdir()
+    (tmp_path / ".dcp-4").write_text("a file of that name is not a checkpoint folder: left alone")
+    (tmp_path / "last.dcp").symlink_to(".dcp-3")
+    (tmp_path / "best.dcp").symlink_to(".dcp-2")
+    ckpt_mod.remove_unlinked_dcp(tmp_path)
+    assert sorted(p.name for p in tmp_path.glob(".dcp-*")) == [".dcp-2", ".dcp-3", ".dcp-4"]
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_checkpoint_to_pt_writes_the_whole_checkpoint_and_never_over_a_file(tmp_path, capsys):
+    folder, model, _ = _dcp_folder(tmp_path)
+    out = tmp_path / "whole.pt"
+    assert ckpt_mod.main(["--to-pt", str(folder), str(out)]) == 0
+    whole = torch.load(out, weights_only=True)
+    assert "format" not in whole and all(torch.equal(whole["model"][k], v) for k, v in model.state_dict().items())
+    assert capsys.readouterr().out == f"{folder} -> {out} (step 1, world size 1)\n"
+    assert ckpt_mod.main(["--to-pt", str(folder), str(out)]) == 2
+    assert capsys.readouterr().err == f"error: --to-pt: {out} exists; it is left as it is (allowed: a new file name)\n"
