@@ -669,3 +669,69 @@ def test_metrics_summary_best_epoch_counts_from_1_and_is_none_before_any_evaluat
     assert best_epoch(early) is None
     early.update(1.0, 0)
     assert best_epoch(early) == 1
+
+
+def test_run_a_pt_checkpoint_loads_whole_even_into_a_sharded_model_and_a_dcp_folder_into_its_shards(tmp_path):
+    """Run._load_model_optimizer: a .pt checkpoint is read whole (load_state_dict) whatever the model; only a dcp
+    checkpoint goes into a sharded model's shards (here DCP in one process: a Linear whose `sharded` is itself)."""
+    import warnings
+
+    from manual_train import checkpoint
+    from manual_train.run import Run
+
+    class Sharded(torch.nn.Linear):
+        @property
+        def sharded(self):
+            return self, self.optimizer
+
+    torch.manual_seed(0)
+    source = torch.nn.Linear(3, 2)
+    source_opt = torch.optim.Adam(source.parameters())
+    source(torch.randn(4, 3)).sum().backward()
+    source_opt.step()
+    target = Sharded(3, 2)
+    target.optimizer = torch.optim.Adam(target.parameters())
+    Run._load_model_optimizer(None, {"model": source.state_dict(), "optimizer": source_opt.state_dict()},
+                              target, target.optimizer)
+    assert torch.equal(target.weight, source.weight) and target.optimizer.state_dict()["state"][0]["step"] == 1
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")
+        rest, _ = checkpoint.save_sharded(source, source_opt, tmp_path / "shards")
+        target = Sharded(3, 2)
+        target.optimizer = torch.optim.Adam(target.parameters())
+        Run._load_model_optimizer(None, {"format": "dcp", "dcp": str(tmp_path / "shards"), "rest": rest}, target,
+                                  target.optimizer)
+    assert torch.equal(target.weight, source.weight) and target.optimizer.state_dict()["state"][0]["step"] == 1
+
+
+def test_run_validation_rows_report_no_throughput_and_training_rows_do(tmp_path):
+    import csv
+
+    from manual_train.loops import single
+
+    single.train(make_cfg(tmp_path, model="mlp", epochs=1, limit_train_batches="3", log_every=1))
+    rows = list(csv.DictReader(open(tmp_path / "run" / "metrics.csv")))
+    assert {r["split"] for r in rows} == {"train", "val"}
+    assert all(float(r["samples_per_s"]) == 0.0 for r in rows if r["split"] == "val")
+    assert all(float(r["samples_per_s"]) > 0.0 for r in rows if r["split"] == "train")
+
+
+def test_run_signal_notices_ride_a_gloo_default_group_without_a_group_of_their_own(monkeypatch):
+    """--save-on-signal: the ranks agree on a notice with a CPU tensor; under gloo the default group carries it (no
+    second group to create and keep); under nccl a gloo group of its own (a GPU host's test)."""
+    import signal
+    import types
+
+    import torch.distributed as dist
+
+    from manual_train import run as run_module
+
+    monkeypatch.setattr(run_module, "catch_notices", lambda signals: None)  # no handlers in pytest's process
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        run = types.SimpleNamespace(signals=(signal.SIGUSR1,), distributed=True, signal_group="unset")
+        run_module.Run._catch_signals(run)
+        assert run.signal_group is None
+    finally:
+        dist.destroy_process_group()
