@@ -735,3 +735,36 @@ def test_run_signal_notices_ride_a_gloo_default_group_without_a_group_of_their_o
         assert run.signal_group is None
     finally:
         dist.destroy_process_group()
+
+
+def test_run_summary_names_why_a_run_stopped_early_max_time_or_a_notice(tmp_path, monkeypatch):
+    """summary.json's stop_reason and signal: --max-time's stop after 1 s of a 2000-step run; a notice recorded
+    before the first step (as a preemption during set-up is) stops the run after it, named. With --save-on-signal
+    none, the same recorded notice is none of the run's business: it trains to its end."""
+    import json
+    import signal
+
+    from manual_train import run as run_module
+    from manual_train.loops import single
+
+    monkeypatch.setattr(run_module, "catch_notices", lambda signals: None)  # no handlers in pytest's process
+    flags = dict(model="mlp", log_every=100, eval_every=100)
+    single.train(make_cfg(tmp_path, out_dir=str(tmp_path / "timed"), max_time="1", max_steps=2000,
+                          save_on_signal="none", **flags))
+    summary = json.loads((tmp_path / "timed" / "summary.json").read_text())
+    assert summary["stop_reason"].startswith("--max-time 1 reached after step "), summary["stop_reason"]
+    assert "signal" not in summary and summary["optimizer_steps"] < 2000
+
+    monkeypatch.setattr(run_module, "_notice", [int(signal.SIGUSR1)])  # as _record_notice leaves it
+    from manual_train.errors import Preempted
+
+    with pytest.raises(Preempted, match="stopped by SIGUSR1 after step 1"):  # cli.run makes it exit status 75
+        single.train(make_cfg(tmp_path, out_dir=str(tmp_path / "noticed"), max_steps=20, save_on_signal="USR1",
+                              **flags))
+    summary = json.loads((tmp_path / "noticed" / "summary.json").read_text())
+    assert (summary["stop_reason"], summary["signal"], summary["optimizer_steps"]) == ("signal", "SIGUSR1", 1)
+
+    monkeypatch.setattr(run_module, "_notice", [int(signal.SIGUSR1)])
+    single.train(make_cfg(tmp_path, out_dir=str(tmp_path / "deaf"), max_steps=20, save_on_signal="none", **flags))
+    summary = json.loads((tmp_path / "deaf" / "summary.json").read_text())
+    assert "signal" not in summary and summary["optimizer_steps"] == 20
