@@ -97,7 +97,7 @@ def write_atomically(path: Path, write: Callable, intact: Optional[str] = None) 
             os.close(dir_fd)
     except BaseException as e:
         tmp.unlink(missing_ok=True)  # (deleting frees what it took: this works on a full disk)
-        fault = os_error_in(e)
+        fault = os_error_in(e, path.parent)
         if fault is None:
             raise
         raise StorageError(path, fault, intact=what_is_intact(path) if intact is None else intact) from None

@@ -7,6 +7,7 @@ checks of other modules): no import cycles.
 from __future__ import annotations
 
 import errno
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -50,21 +51,37 @@ class StorageError(Exception):
         super().__init__(f"{what} writing {path}; {intact}; {fix} and {rerun}")
 
 
-def os_error_in(e: BaseException) -> Optional[OSError]:
+def os_error_in(e: BaseException, where=None) -> Optional[OSError]:
     """The OSError with an errno behind `e`, itself or in its chain (torch.save reports a failed write as a
     RuntimeError from its zip writer, raised while handling the file object's OSError; DCP gathers every rank's
-    exceptions into a CheckpointException), else None."""
-    seen = set()
+    exceptions into a CheckpointException), else None.
+
+    DCP gathers those exceptions by pickling them, and a pickled exception loses its chain: a zip writer's
+    RuntimeError then arrives alone (CI, 2026-12-05: "[enforce fail at inline_container.cc:672] . unexpected pos 704
+    vs 598" on a full tmpfs, exit 1 with a traceback). For that one error the folder `where` decides: no space left
+    on it is ENOSPC, else EIO (a write came up short without saying why)."""
+    seen, zip_writer = set(), None
     while e is not None and id(e) not in seen:
         seen.add(id(e))
         if isinstance(e, OSError) and e.errno is not None:
             return e
+        if isinstance(e, RuntimeError) and any(mark in str(e) for mark in _ZIP_WRITER_FAULTS):
+            zip_writer = zip_writer or e
         for failure, _ in getattr(e, "failures", {}).values():  # DCP's CheckpointException: every rank's failure
-            found = os_error_in(failure)
+            found = os_error_in(failure, where)
             if found is not None:
                 return found
         e = e.__cause__ or e.__context__
-    return None
+    if zip_writer is None or where is None:
+        return None
+    disk = os.statvfs(where)
+    code = errno.ENOSPC if disk.f_bavail * disk.f_frsize < _FULL_BELOW else errno.EIO
+    return OSError(code, f"{os.strerror(code)} (torch's zip writer: {str(zip_writer).splitlines()[0][:120]})")
+
+
+# torch's zip writer (torch.save) checks its own position and byte counts; these are its words for a short write
+_ZIP_WRITER_FAULTS = ("inline_container.cc", "PytorchStreamWriter failed writing")
+_FULL_BELOW = 1 << 20  # bytes free under which a short write is read as a full disk (a checkpoint is larger)
 
 
 class Preempted(Exception):

@@ -357,7 +357,7 @@ class Run:
         try:
             yield
         except BaseException as e:
-            fault = os_error_in(e)
+            fault = os_error_in(e, folder)
             if fault is None:
                 raise
             shutil.rmtree(folder, ignore_errors=True)
