@@ -463,7 +463,7 @@ def run_pair(cmd_a: str, cmd_b: str, work: Path, quiet: bool = False, floor: boo
             progress = {k: max(_steps_done(j["trace"]) - 1, 0) for k, j in jobs.items()}
             if not quiet and progress != shown and time.monotonic() - t_shown > 2:
                 print("training: " + ", ".join(
-                    f"{k} step {n}" + (f"/{metas[k]['total_steps']}" if metas[k] else "")
+                    f"{k} step {n}" + (f"/{metas[k]['total_steps']}" if (metas[k] or {}).get("total_steps") else "")
                     for k, n in progress.items()), flush=True)
                 shown, t_shown = progress, time.monotonic()
             time.sleep(0.25)

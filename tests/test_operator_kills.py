@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -233,9 +234,9 @@ def test_parity_run_trace_records_each_steps_own_losses(tmp_path):
     losses.append(torch.tensor(4.0))
     trace.stepped(losses)  # step 2: only the one added since
     trace.window_logged()  # the loop starts a new list
-    trace.stepped([torch.tensor(5.0)])
+    trace.stepped([torch.tensor(5.0), torch.tensor(6.0)])  # step 3: both micro-steps of the new list
     loaded = parity.load_trace(tmp_path / "t", "--a")
-    assert {s: e["loss"] for s, e in loaded["steps"].items()} == {0: None, 1: 3.0, 2: 4.0, 3: 5.0}
+    assert {s: e["loss"] for s, e in loaded["steps"].items()} == {0: None, 1: 3.0, 2: 4.0, 3: 11.0}
     assert loaded["meta"]["total_steps"] == 4 and loaded["meta"]["start_step"] == 0
 
 
@@ -768,3 +769,171 @@ def test_run_summary_names_why_a_run_stopped_early_max_time_or_a_notice(tmp_path
     single.train(make_cfg(tmp_path, out_dir=str(tmp_path / "deaf"), max_steps=20, save_on_signal="none", **flags))
     summary = json.loads((tmp_path / "deaf" / "summary.json").read_text())
     assert "signal" not in summary and summary["optimizer_steps"] == 20
+
+
+def test_plugin_a_missing_package_is_the_users_typo_and_a_plugins_own_missing_import_is_theirs(tmp_path, monkeypatch):
+    """A spec whose package is missing is one UsageError line; a plug-in module that exists but itself imports a
+    missing module raises that ModuleNotFoundError (their traceback), whatever the names' sort order."""
+    from manual_train import plugins
+    from manual_train.errors import UsageError
+
+    with pytest.raises(UsageError, match=r"--model: cannot import no_such_pkg\.sub \(no module named no_such_pkg;"):
+        plugins.load("no_such_pkg.sub:build", "--model")
+    (tmp_path / "aaa_plugin.py").write_text("import zzz_missing_dependency\n\ndef build(info):\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ModuleNotFoundError, match="zzz_missing_dependency"):
+        plugins.load("aaa_plugin:build", "--model")
+
+
+def test_plugin_loss_whose_sum_is_off_by_half_a_unit_is_refused(tmp_path, monkeypatch):
+    """check_loss: "sum" must be "mean" x the targets to 1e-9 relative (1e-12 absolute near 0); a sum 0.5 off, on
+    two targets, is refused naming both numbers."""
+    from manual_train import data, plugins
+    from manual_train.errors import UsageError
+    from manual_train.models import IGNORE
+
+    (tmp_path / "offloss.py").write_text(
+        "import torch.nn.functional as F\n\n"
+        "def loss(logits, y, reduction='mean'):\n"
+        "    out = F.cross_entropy(logits.flatten(0, -2), y.flatten(), reduction=reduction)\n"
+        "    return out + 0.5 if reduction == 'sum' else out\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = make_cfg(tmp_path, model="mlp")
+    train, _, info = data.build_datasets(cfg)
+    cfg.loss = "offloss:loss"
+    with pytest.raises(UsageError, match=r"--loss: offloss:loss's sum \(.*\) is not its mean x the 2 targets"):
+        plugins.check_loss(cfg, info, train, IGNORE)
+
+
+def test_plugin_datasets_refuse_a_set_without_len_and_name_the_class_ids_allowed(tmp_path, monkeypatch):
+    """build_datasets: a split with __getitem__ but no __len__ is not map-style (both are needed); a first target
+    equal to num_classes is refused naming the ids allowed, 0..num_classes-1."""
+    from manual_train import plugins
+    from manual_train.errors import UsageError
+    from manual_train.models import DataInfo
+
+    (tmp_path / "sets.py").write_text(
+        "import torch\n\n"
+        "class NoLen:\n"
+        "    def __getitem__(self, i):\n"
+        "        return torch.zeros(2), 0\n\n"
+        "class Two:\n"
+        "    def __init__(self, y):\n"
+        "        self.y = y\n"
+        "    def __len__(self):\n"
+        "        return 2\n"
+        "    def __getitem__(self, i):\n"
+        "        return torch.zeros(2), self.y\n\n"
+        "def no_len(cfg):\n"
+        "    return NoLen(), Two(0), {'num_classes': 3, 'input_shape': (2,)}\n\n"
+        "def class_3_of_3(cfg):\n"
+        "    return Two(3), Two(0), {'num_classes': 3, 'input_shape': (2,)}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = make_cfg(tmp_path, model="mlp")
+    cfg.dataset = "sets:no_len"
+    with pytest.raises(UsageError, match=r"sets:no_len's train set is a NoLen, not a map-style dataset"):
+        plugins.build_datasets(cfg, DataInfo)
+    cfg.dataset = "sets:class_3_of_3"
+    with pytest.raises(UsageError, match=r"first sample's target 3 is not a class id in 0\.\.2 \("):
+        plugins.build_datasets(cfg, DataInfo)
+
+
+@pytest.mark.parametrize("message,reason", [("mat1 and mat2 shapes cannot be multiplied\n(the second line)",
+                                             "mat1 and mat2 shapes cannot be multiplied"), ("", "RuntimeError")])
+def test_plugin_a_model_that_cannot_take_the_samples_names_the_first_line_of_why(tmp_path, monkeypatch, message,
+                                                                                 reason):
+    """check_fits: the forward's RuntimeError in one line, its first; an error without a message by its type."""
+    from manual_train import data, plugins
+    from manual_train.errors import UsageError
+
+    name = f"failing_{len(message)}"  # a module per case: the import system keeps the first one
+    (tmp_path / f"{name}.py").write_text(
+        "import torch\n\n"
+        "class Fails(torch.nn.Module):\n"
+        "    def forward(self, x):\n"
+        f"        raise RuntimeError({message!r})\n\n"
+        "def build(info):\n"
+        "    return Fails()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = make_cfg(tmp_path, model="mlp")
+    train, _, info = data.build_datasets(cfg)
+    cfg.model = f"{name}:build"
+    with pytest.raises(UsageError) as e:
+        plugins.check_fits(cfg, info, train)
+    assert str(e.value).endswith(f"(one forward pass fails: {reason})"), str(e.value)
+
+
+def test_tokens_validation_is_a_quarter_of_the_training_set_and_never_empty():
+    from manual_train.tokens import reverse_lm_datasets
+
+    assert [len(reverse_lm_datasets(n)[1]) for n in (3, 4, 100)] == [1, 1, 25]
+
+
+def test_parity_progress_lines_come_while_it_runs_and_only_when_a_run_moved(tmp_path):
+    """The tool's progress (without --quiet), on a user's loop that records its own trace (parity.record, no total
+    of steps to show): each line is flushed as it is printed (read here while the tool still runs), a line comes only
+    when a run has moved (both runs sleep 6 s after step 2: one line for it, not one every 2 s), and the pair of
+    equal runs is reported equal."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    loop = tmp_path / "loop.py"
+    loop.write_text(
+        "import argparse, time\nimport torch\nfrom manual_train import parity\n\n"
+        "p = argparse.ArgumentParser()\n"
+        "for flag in ('--trace-dir', '--out-dir', '--precision'):\n"
+        "    p.add_argument(flag)\n"
+        "args = p.parse_args()\n"
+        "torch.manual_seed(0)\n"
+        "model = torch.nn.Linear(3, 2).double()\n"
+        "optimizer = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "x = torch.randn(8, 3, dtype=torch.float64)\n"
+        "parity.record(model, 0, args.trace_dir)\n"
+        "for step in range(1, 5):\n"
+        "    loss = model(x).square().mean()\n"
+        "    loss.backward()\n"
+        "    optimizer.step()\n"
+        "    optimizer.zero_grad()\n"
+        "    parity.record(model, step, args.trace_dir, loss=loss)\n"
+        "    if step == 2:\n"
+        "        time.sleep(6)\n")
+    command = f"python {loop} --precision 64-true"  # (64-true in A's command: no noise-floor run)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # stdout a pipe, block-buffered
+    proc = subprocess.Popen([sys.executable, "-m", "manual_train.parity", "--work-dir", str(tmp_path / "w"),
+                             "--a", command, "--b", command], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, cwd=REPO, env=env)
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append((line.rstrip("\n"), proc.poll() is None))
+    finally:
+        proc.kill()
+        proc.wait()
+    text = "\n".join(line for line, _ in lines)
+    assert proc.returncode == 0 and "equal within 1e-09 over 5 steps (0-4)" in text, text
+    progress = [(line, running) for line, running in lines if line.startswith("training: ")]
+    assert progress and progress[0][1], text  # read while the tool was still running: flushed
+    assert all(line == f"training: A step {a}, B step {b}" for line, _ in progress
+               for a, b in [re.match(r"training: A step (\d+), B step (\d+)$", line).groups()]), text
+    assert "training: A step 2, B step 2" in text, text
+    assert all(x[0] != y[0] for x, y in zip(progress, progress[1:])), text  # a line only when a run moved
+
+
+def test_parity_a_mixed_precision_run_gets_no_noise_floor_run(tmp_path):
+    """The floor is 32-true's: for A in 16-mixed the third run is stopped as soon as A has said its precision (its
+    trace stops short of A's), and the verdict says no fixed bound holds."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    flags = ("launch/single.py --dataset synthetic --synthetic-size 400 --synthetic-shape 1,8,8 --model mlp "
+             "--precision 16-mixed --epochs 12 --batch-size 24 --no-progress")
+    proc = subprocess.run([sys.executable, "-m", "manual_train.parity", "--quiet", "--work-dir", str(tmp_path / "w"),
+                           "--a", flags, "--b", flags], capture_output=True, text=True, cwd=REPO, timeout=600)
+    assert proc.returncode == 0 and proc.stdout.startswith("no verdict (16-mixed)"), proc.stdout + proc.stderr
+    traces = {name: tmp_path / "w" / name / "steps.jsonl" for name in ("a", "floor")}
+    done = {name: p.read_text().count("\n") if p.exists() else 0 for name, p in traces.items()}
+    assert done["floor"] < done["a"] / 2, done

@@ -66,7 +66,12 @@ def test_fp32_pair_within_the_measured_noise_floor(tmp_path):
                        "--b", f"launch/single.py {fp32} --batch-size 8 --accumulate 3")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.startswith("equal within 10 x the fp32 noise floor over 11 steps (0-10)"), proc.stdout
-    assert (tmp_path / "w" / "floor" / "steps.jsonl").is_file()
+    # the floor run, and only it, starts one ulp up from A's (and B's) initial weights
+    a, b, floor = (parity.load_trace(tmp_path / "w" / name, "--a") for name in ("a", "b", "floor"))
+    a0, b0, floor0 = (torch.load(t["full"][0], weights_only=True) for t in (a, b, floor))
+    for k, w in a0.items():  # (a trace keeps float64 copies: the fp32 weights' ulp is taken in float32)
+        up = torch.nextafter(w.float(), torch.full_like(w.float(), float("inf")))
+        assert torch.equal(w, b0[k]) and torch.equal(floor0[k].float(), up), k
 
 
 # ---------------------------------------------------------------------- seeded bugs: the first step and parameter
