@@ -937,3 +937,22 @@ def test_parity_a_mixed_precision_run_gets_no_noise_floor_run(tmp_path):
     traces = {name: tmp_path / "w" / name / "steps.jsonl" for name in ("a", "floor")}
     done = {name: p.read_text().count("\n") if p.exists() else 0 for name, p in traces.items()}
     assert done["floor"] < done["a"] / 2, done
+
+
+def test_run_dcp_shards_a_zip_writer_refused_become_one_storage_line_and_the_folder_goes(tmp_path):
+    """Run._shards_into: torch's zip-writer error without its OSError (as DCP's gather hands it over) is read from
+    the folder (here a disk with room: EIO), the new, unlinked folder is removed, and the line names last.dcp."""
+    import errno
+    from types import SimpleNamespace
+
+    from manual_train.errors import StorageError
+    from manual_train.run import Run
+
+    folder = tmp_path / ".dcp-00000003"
+    folder.mkdir()
+    (folder / "__0_0.distcp").write_bytes(b"half")
+    with pytest.raises(StorageError) as e:
+        with Run._shards_into(SimpleNamespace(out_dir=tmp_path), folder):
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    assert e.value.errno == errno.EIO and not folder.exists()
+    assert str(e.value).startswith(f"I/O error writing {tmp_path / 'last.dcp'} (new shards in .dcp-00000003); "), e
