@@ -871,11 +871,12 @@ def test_tokens_validation_is_a_quarter_of_the_training_set_and_never_empty():
 
 def test_parity_progress_lines_come_while_it_runs_and_only_when_a_run_moved(tmp_path):
     """The tool's progress (without --quiet), on a user's loop that records its own trace (parity.record, no total
-    of steps to show): each line is flushed as it is printed (read here while the tool still runs), a line comes only
+    of steps to show): each line is flushed as it is printed (read here seconds before the report), a line comes only
     when a run has moved (both runs sleep 6 s after step 2: one line for it, not one every 2 s), and the pair of
     equal runs is reported equal."""
     import subprocess
     import sys
+    import time
 
     from conftest import REPO
 
@@ -907,14 +908,15 @@ def test_parity_progress_lines_come_while_it_runs_and_only_when_a_run_moved(tmp_
     lines = []
     try:
         for line in proc.stdout:
-            lines.append((line.rstrip("\n"), proc.poll() is None))
+            lines.append((line.rstrip("\n"), time.monotonic()))
     finally:
         proc.kill()
         proc.wait()
     text = "\n".join(line for line, _ in lines)
     assert proc.returncode == 0 and "equal within 1e-09 over 5 steps (0-4)" in text, text
-    progress = [(line, running) for line, running in lines if line.startswith("training: ")]
-    assert progress and progress[0][1], text  # read while the tool was still running: flushed
+    progress = [(line, t) for line, t in lines if line.startswith("training: ")]
+    report_at = next(t for line, t in lines if line.startswith("equal within"))
+    assert progress and progress[0][1] < report_at - 2, text  # read seconds before the report: each line flushed
     assert all(line == f"training: A step {a}, B step {b}" for line, _ in progress
                for a, b in [re.match(r"training: A step (\d+), B step (\d+)$", line).groups()]), text
     assert "training: A step 2, B step 2" in text, text
