@@ -216,13 +216,21 @@ def write_reports(cfg, chosen, results, equiv, all_count, wall_s, jobs, timeouts
     survived = [(m, r) for m, r in rows if m["id"] not in equiv and not r["outcome"].startswith("killed")
                 and r["outcome"] != "not run"]
     total = len(rows) - len(not_run)
+    # --reuse keeps a kill while its module's source is unchanged; such kills say where they were measured
+    mutant_s = sum(r.get("wall_s", 0) for _, r in rows if r["outcome"] in ("killed", "killed (timeout)", "survived"))
+    kept = [r["outcome"] for _, r in killed if r["outcome"] not in ("killed", "killed (timeout)")]
+    carried = (f"; {len(kept)} kills are kept from an earlier run on the same module source ({kept[0]}), not "
+               f"counted in that time" if kept else "")
     score = len(killed) / max(1, total - len(eq))
     date = datetime.date.today().isoformat()
     summary = {"date": date, "cpu": cpu_name(), "total": total, "killed": len(killed), "equivalent": len(eq),
                "survived": len(survived), "score": round(score, 4), "generated": all_count,
-               "tool": f"cosmic-ray {version('cosmic-ray')}", "seed": cfg["seed"], "wall_s": round(wall_s),
+               "tool": f"cosmic-ray {version('cosmic-ray')}", "seed": cfg["seed"], "wall_s": round(wall_s or mutant_s),
                "jobs": jobs, "not_run": len(not_run)}
     SCORE.write_text(json.dumps(summary, indent=1) + "\n")
+    from mutant_scores import write_scores  # (tests/ is this script's folder: on sys.path)
+
+    write_scores()  # the three sets side by side at the top of docs/mutants.md
     by_group: dict = {}
     for m, r in rows:
         g = by_group.setdefault(m["group"], [0, 0, 0, 0])
@@ -240,7 +248,9 @@ def write_reports(cfg, chosen, results, equiv, all_count, wall_s, jobs, timeouts
         f"**{len(killed)} of {total - len(eq)} killed ({100 * score:.1f}%)**, {len(eq)} equivalent, "
         f"{len(survived)} survived: a seeded sample of {len(rows)} of the {all_count} mutants the operators make"
         f"{f' ({len(not_run)} of them not run: the run was cut short)' if not_run else ''}. "
-        f"{summary['tool']}, {date}, {summary['cpu']}, {jobs} job(s), {wall_s / 60:.0f} min.",
+        f"{summary['tool']}, {date}, {summary['cpu']}"
+        + (f", {jobs} job(s), {wall_s / 60:.0f} min of this run" if wall_s is not None else "")
+        + f"; {mutant_s / 60:.0f} min of mutant runs behind these results (each mutant's own time, summed){carried}.",
         "",
         "Why cosmic-ray (and not mutmut 3): each module here has its own fast test command (its unit tests, seconds), "
         "and cosmic-ray takes a test command per session, names its operators (so the run applies exactly the "
@@ -321,8 +331,7 @@ def main(argv=None) -> int:
         previous = json.loads(Path(args.results).read_text())
         results = {m["id"]: previous.get(m["id"], {"outcome": "not run"}) for m in chosen}
         timeouts = f"{cfg['timeout_factor']}x the unmutated tests' wall time, at least {cfg['min_timeout_s']} s"
-        wall = sum(r.get("wall_s", 0) for r in results.values()) / args.jobs
-        print(json.dumps(write_reports(cfg, chosen, results, equiv, len(mutants), wall, args.jobs, timeouts)))
+        print(json.dumps(write_reports(cfg, chosen, results, equiv, len(mutants), None, args.jobs, timeouts)))
         return 0
     results: dict = {}
     results_path = Path(args.results) if args.results else None
