@@ -771,6 +771,14 @@ def test_run_summary_names_why_a_run_stopped_early_max_time_or_a_notice(tmp_path
     assert "signal" not in summary and summary["optimizer_steps"] == 20
 
 
+def plugin_module(tmp_path, monkeypatch, name: str, source: str):
+    """A user's plug-in module `name` (its source written into tmp_path, importable from there); returns a config of
+    the mlp on digits in tmp_path for the checks to read."""
+    (tmp_path / f"{name}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return make_cfg(tmp_path, model="mlp")
+
+
 def test_plugin_a_missing_package_is_the_users_typo_and_a_plugins_own_missing_import_is_theirs(tmp_path, monkeypatch):
     """A spec whose package is missing is one UsageError line; a plug-in module that exists but itself imports a
     missing module raises that ModuleNotFoundError (their traceback), whatever the names' sort order."""
@@ -779,8 +787,7 @@ def test_plugin_a_missing_package_is_the_users_typo_and_a_plugins_own_missing_im
 
     with pytest.raises(UsageError, match=r"--model: cannot import no_such_pkg\.sub \(no module named no_such_pkg;"):
         plugins.load("no_such_pkg.sub:build", "--model")
-    (tmp_path / "aaa_plugin.py").write_text("import zzz_missing_dependency\n\ndef build(info):\n    pass\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
+    plugin_module(tmp_path, monkeypatch, "aaa_plugin", "import zzz_missing_dependency\n\ndef build(info):\n    pass\n")
     with pytest.raises(ModuleNotFoundError, match="zzz_missing_dependency"):
         plugins.load("aaa_plugin:build", "--model")
 
@@ -792,13 +799,12 @@ def test_plugin_loss_whose_sum_is_off_by_half_a_unit_is_refused(tmp_path, monkey
     from manual_train.errors import UsageError
     from manual_train.models import IGNORE
 
-    (tmp_path / "offloss.py").write_text(
+    cfg = plugin_module(
+        tmp_path, monkeypatch, "offloss",
         "import torch.nn.functional as F\n\n"
         "def loss(logits, y, reduction='mean'):\n"
         "    out = F.cross_entropy(logits.flatten(0, -2), y.flatten(), reduction=reduction)\n"
         "    return out + 0.5 if reduction == 'sum' else out\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    cfg = make_cfg(tmp_path, model="mlp")
     train, _, info = data.build_datasets(cfg)
     cfg.loss = "offloss:loss"
     with pytest.raises(UsageError, match=r"--loss: offloss:loss's sum \(.*\) is not its mean x the 2 targets"):
@@ -812,7 +818,8 @@ def test_plugin_datasets_refuse_a_set_without_len_and_name_the_class_ids_allowed
     from manual_train.errors import UsageError
     from manual_train.models import DataInfo
 
-    (tmp_path / "sets.py").write_text(
+    cfg = plugin_module(
+        tmp_path, monkeypatch, "sets",
         "import torch\n\n"
         "class NoLen:\n"
         "    def __getitem__(self, i):\n"
@@ -828,8 +835,6 @@ def test_plugin_datasets_refuse_a_set_without_len_and_name_the_class_ids_allowed
         "    return NoLen(), Two(0), {'num_classes': 3, 'input_shape': (2,)}\n\n"
         "def class_3_of_3(cfg):\n"
         "    return Two(3), Two(0), {'num_classes': 3, 'input_shape': (2,)}\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    cfg = make_cfg(tmp_path, model="mlp")
     cfg.dataset = "sets:no_len"
     with pytest.raises(UsageError, match=r"sets:no_len's train set is a NoLen, not a map-style dataset"):
         plugins.build_datasets(cfg, DataInfo)
@@ -847,15 +852,14 @@ def test_plugin_a_model_that_cannot_take_the_samples_names_the_first_line_of_why
     from manual_train.errors import UsageError
 
     name = f"failing_{len(message)}"  # a module per case: the import system keeps the first one
-    (tmp_path / f"{name}.py").write_text(
+    cfg = plugin_module(
+        tmp_path, monkeypatch, name,
         "import torch\n\n"
         "class Fails(torch.nn.Module):\n"
         "    def forward(self, x):\n"
         f"        raise RuntimeError({message!r})\n\n"
         "def build(info):\n"
         "    return Fails()\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    cfg = make_cfg(tmp_path, model="mlp")
     train, _, info = data.build_datasets(cfg)
     cfg.model = f"{name}:build"
     with pytest.raises(UsageError) as e:
