@@ -73,8 +73,8 @@ stress: $(VENV)/.installed
 
 # launch/slurm_train.sbatch as shipped, on a one-node cluster this machine runs for the tests (tests/local_slurm.py):
 # time-limit and preemption notices, notices during set-up and a resume's load, requeues in a row, two agents over
-# c10d; each job ends bit for bit where an uninterrupted run ends. Minutes, so not part of `make test`; without Slurm
-# (or as a non-root user) pytest skips them and says what is missing.
+# c10d; each job ends bit for bit where an uninterrupted run ends. Minutes, so not part of `make test` (there, without
+# Slurm or as a non-root user, pytest skips them and says what is missing); here, asked for, they fail instead of skipping.
 test-slurm: $(VENV)/.installed
 	RUN_SLURM_TESTS=1 $(PY) -m pytest -q -rs -p no:cacheprovider -m slurm tests/test_slurm.py
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Optional
 
 DAEMONS = {"munged": "munge", "slurmctld": "slurm-wlm", "slurmd": "slurm-wlm"}  # program -> Debian package
-CLIENTS = {"sbatch": "slurm-client", "scontrol": "slurm-client", "squeue": "slurm-client", "munge": "munge"}
+CLIENTS = {**{name: "slurm-client" for name in ("sbatch", "srun", "scontrol", "squeue", "scancel", "sinfo")}, "munge": "munge"}
 CRED_EXPIRE_S = 30
 SBIN = ("/usr/sbin", "/sbin", "/usr/local/sbin")
 

@@ -29,8 +29,9 @@ import pytest
 from conftest import REPO, assert_same_path_bitwise, final_weights, run_script, torchrun
 from local_slurm import LocalSlurm, _free_port, missing
 
-pytestmark = [pytest.mark.slurm, pytest.mark.skipif(missing() is not None, reason=missing() or ""),
-              pytest.mark.skipif(os.environ.get("RUN_SLURM_TESTS") != "1",
+ASKED = os.environ.get("RUN_SLURM_TESTS") == "1"  # `make test-slurm`: these tests must run, not skip
+pytestmark = [pytest.mark.slurm, pytest.mark.skipif(not ASKED and missing() is not None, reason=missing() or ""),
+              pytest.mark.skipif(not ASKED,
                                  reason="the Slurm tests take minutes: `make test-slurm` runs them (RUN_SLURM_TESTS=1)")]
 
 SBATCH = REPO / "launch" / "slurm_train.sbatch"
@@ -39,13 +40,17 @@ SBATCH = REPO / "launch" / "slurm_train.sbatch"
 # a resume from a step between two log steps averages fewer steps than the uninterrupted run's (the weights do not
 # differ); one step a row makes every row comparable.
 RUN = ["--model", "mlp", "--epochs", "6", "--batch-size", "32", "--log-every", "1", "--no-progress", "--device", "cpu"]
-TOTAL_STEPS = 144
+STEPS_PER_EPOCH, TOTAL_STEPS = 24, 144
 JOB_TIMEOUT_S = 900  # a hung job fails the test; the jobs take 20-120 s on 2 loaded cores
 
 
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory):
-    """The cluster, for this module's tests; its daemons (and any job left running) stopped at the end, pass or fail."""
+    """The cluster, for this module's tests; its daemons (and any job left running) stopped at the end, pass or fail.
+    Asked for (`make test-slurm`) on a machine that cannot run it: each test fails with the missing part's line, so a
+    CI without Slurm cannot pass by skipping them all."""
+    if missing() is not None:
+        pytest.fail(f"RUN_SLURM_TESTS=1 but {missing()}", pytrace=False)
     cluster = LocalSlurm(tmp_path_factory.mktemp("slurm"))
     cluster.start()
     try:
@@ -170,26 +175,23 @@ def test_a_time_limit_notice_saves_requeues_and_resumes_bitwise(slurm, reference
     assert {a["signal"] for a in attempts if "signal" in a} == {"SIGUSR1"}, attempts
 
 
+MID_EPOCH_SLEEP_S = "0.5"  # the first attempt's steps: 12 s from step 12's row to the epoch's end, for the notice
+
+
 @pytest.mark.parametrize("how", ["scontrol requeue", "scancel --signal=TERM"])
 def test_b_a_preemption_mid_epoch_saves_and_resumes_bitwise(slurm, reference, tmp_path, how):
-    """(b) The job is preempted mid-epoch. `scontrol requeue`: Slurm sends SIGTERM to every process of the job and
-    requeues it itself (the batch shell ends with the workers); `scancel --signal=TERM`: the step's torchrun agent gets
-    SIGTERM, the workers save and exit 75, and the batch script requeues the job."""
-    job = Job(slurm, tmp_path)
+    """(b) The job is preempted mid-epoch (after step 12's row, its first attempt's steps slowed so the notice lands
+    before step 24, the epoch's end). `scontrol requeue`: Slurm sends SIGTERM to every process of the job, the batch
+    shell included (it passes it on and prints its verdict within KillWait), and requeues the job itself; `scancel
+    --signal=TERM`: the step's torchrun agent gets SIGTERM, the workers save and exit 75, and the batch script requeues
+    the job."""
+    job = Job(slurm, tmp_path, env={"SLURM_STEP_SLEEP_S": MID_EPOCH_SLEEP_S})
     job.wait_until(lambda: job.train_rows() >= 12, "step 12's train row")  # mid-epoch, in epoch 1
     cmd = ["scontrol", "requeue", job.id] if how == "scontrol requeue" else ["scancel", "--signal=TERM", job.id]
     assert subprocess.run(cmd, env=slurm.env, capture_output=True, timeout=60).returncode == 0
-    if how == "scontrol requeue":  # the batch script is ended with the job: no verdict line from this attempt
-        job.wait_until(lambda: "stopped by SIGTERM" in job.text(), "stop line")
-        job.wait_until(lambda: job.text().count("global batch ") == 2, "second attempt")
-        text = job.text()
-        first, _ = text.split("global batch ", 2)[1:]
-        step = int(re.search(r"stopped by SIGTERM after step (\d+)", text).group(1))
-        assert f"resuming {job.out / 'last.pt'} at step {step}," in text.rsplit("global batch ", 1)[1], text[-3000:]
-        assert step < TOTAL_STEPS
-    attempts = check_ended_as_uninterrupted(job, reference, min_attempts=1 if how == "scontrol requeue" else 2)
-    if how != "scontrol requeue":
-        assert attempts[0]["signal"] == "SIGTERM" and attempts[0]["saved_step"] >= 12, attempts
+    attempts = check_ended_as_uninterrupted(job, reference, min_attempts=2)
+    first = attempts[0]
+    assert first["signal"] == "SIGTERM" and 12 <= first["saved_step"] < STEPS_PER_EPOCH, attempts
 
 
 def test_c_d_notices_during_setup_load_and_start_requeue_three_times_in_a_row(slurm, reference, tmp_path):
@@ -211,12 +213,13 @@ def test_e_two_agents_over_c10d_signalled_requeued_and_equal(slurm, reference, t
     """(e) srun --ntasks=2: two torchrun agents, one worker each, rendezvous over c10d as two nodes (--nnodes=2 from
     SLURM_NTASKS). The time-limit notice's path by hand (scancel --batch --signal=USR1) mid-epoch: the shell passes it
     to srun, srun to both agents, each to its worker; both stop after the same step, save, requeue, resume, equal."""
-    job = Job(slurm, tmp_path, "--ntasks=2", "--ntasks-per-node=2", env={"NPROC": "1"})
+    job = Job(slurm, tmp_path, "--ntasks=2", "--ntasks-per-node=2",
+              env={"NPROC": "1", "SLURM_STEP_SLEEP_S": MID_EPOCH_SLEEP_S})
     job.wait_until(lambda: job.train_rows() >= 12, "step 12's train row")
     assert subprocess.run(["scancel", "--batch", "--signal=USR1", job.id], env=slurm.env,
                           capture_output=True, timeout=60).returncode == 0
     attempts = check_ended_as_uninterrupted(job, reference, min_attempts=2)
-    assert attempts[0]["signal"] == "SIGUSR1" and attempts[0]["saved_step"] >= 12, attempts
+    assert attempts[0]["signal"] == "SIGUSR1" and 12 <= attempts[0]["saved_step"] < STEPS_PER_EPOCH, attempts
 
 
 def test_bad_setups_are_one_line(slurm, tmp_path):
@@ -233,7 +236,8 @@ def test_bad_setups_are_one_line(slurm, tmp_path):
     assert not (job.out / "metrics.csv").exists()
     job = Job(slurm, tmp_path / "b", args=("--save-on-signal", "TERM,USR1,USR2"))
     assert job.finish() == "FAILED"
-    errors = sorted({line for line in job.text().splitlines() if line.startswith("error:")})
+    errors = [line for line in job.text().splitlines() if line.startswith("error:")]
+    assert "[rank" not in job.text(), job.text()  # no worker's traceback (torchrun's own report follows the line)
     assert errors == ["error: --save-on-signal: torchrun passes SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 to its workers, "
                       "not SIGUSR2: in this Slurm job a SIGUSR2 notice would end the torchrun agent, and its workers "
                       "with it, before they save (torchrun --signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,"
