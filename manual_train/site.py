@@ -2,9 +2,11 @@
 
 One page per technique loop: its diff against its parent side by side (unified on a narrow screen), every hunk
 beside its note (the hunk's own marker comments and the paragraph of docs/<technique>.md that speaks of its code),
-and under each hunk the tests that prove it (what each compares, the distance the mutants reach) and the catalogue's
-mutants that break it (their diff, the kill distance, what a user sees: docs/bug-gallery.md). Every page of docs/
-is rendered beside them, its links rewritten to the rendered pages, so the site reads offline from file://.
+and under each hunk the tests that prove it (what each compares, the distance it measured under a mutant against its
+bound): the tests that kill a mutant of the hunk or of the package code it calls, else the technique's parity checks,
+labelled as proving the whole loop; and the catalogue's mutants that break it (their diff, the kill distance, what
+a user sees: docs/bug-gallery.md). Every page of docs/ is rendered beside them, its links rewritten to the rendered
+pages, so the site reads offline from file://.
 
 Built from the code and the committed pages only: the loops (manual_train/loops/), docs/*.md, the tests' own
 functions (tests/test_*.py, read with ast) and the mutant catalogue (tests/mutants/, with the kill matrix
@@ -22,9 +24,11 @@ import difflib
 import functools
 import html
 import importlib
+import io
 import re
 import shutil
 import sys
+import tokenize
 from dataclasses import dataclass, field
 from html.parser import HTMLParser
 from pathlib import Path
@@ -64,6 +68,7 @@ class TestRef:
     name: str
     doc: str  # its docstring: what it compares
     line: int
+    bound: str = ""  # the bound its code asserts (asserted_bound), "" where it names none this site knows
     claims: list = field(default_factory=list)  # the docs' "which test proves what" rows naming it
     kills: list = field(default_factory=list)  # (mutant name, distance) from docs/mutants.md
 
@@ -76,13 +81,25 @@ def read_tests(root: Path) -> dict[str, TestRef]:
     """Every test function of tests/test_*.py, by node id (module-level and class methods)."""
     found = {}
     for path in sorted((root / "tests").glob("test_*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
+        text = path.read_text()
+        for node in ast.walk(ast.parse(text)):
             if isinstance(node, ast.FunctionDef) and node.name.startswith("test"):
                 rel = f"tests/{path.name}"
                 found[f"{rel}::{node.name}"] = TestRef(
                     f"{rel}::{node.name}", rel, node.name, " ".join((ast.get_docstring(node) or "").split()),
-                    node.lineno)
+                    node.lineno, asserted_bound(ast.get_source_segment(text, node)))
     return found
+
+
+def asserted_bound(source: str) -> str:
+    """The bound a test's code asserts on a weight distance, read from the check it calls (tests/conftest.py):
+    the fp32 noise-floor check, the 64-true one, or a "(bound X)" in its own message; "" for none of these."""
+    if "assert_within_fp32_floor" in source:
+        return "10 x the fp32 noise floor measured in the test"
+    if "assert_cross_path_64" in source or "PARITY_TOL_64" in source:
+        return "1e-9 (64-true)"
+    m = re.search(r"\(bound ([-+.\w]+)\)", source)
+    return m.group(1) if m else ""
 
 
 def load_catalogue(root: Path) -> list:
@@ -285,8 +302,20 @@ def lesson(loop: Loop, root: Path, ctx: dict) -> dict:
     doc_path = root / "docs" / f"{loop.name}.md"
     units = doc_units(doc_path.read_text()) if doc_path.exists() else []
     file = f"manual_train/loops/{loop.name}.py"
-    here = [m for m in ctx["mutants"] if m.file == file]
+    technique = [t for t, name in TECHNIQUE_LOOP.items() if name == loop.name]
+    page = [m for m in ctx["mutants"] if m.technique in technique or m.file == file]  # every mutant this page shows
+    here = [m for m in page if m.file == file]
     placed = {m.name: mutant_lines(root, m) for m in here}
+    # A hunk's tests: those that kill a mutant of its lines, then those that kill a mutant of the package code it
+    # calls (a mutant edits the function or class the call names, or one that calls by name in turn, in that file).
+    calls, calls_at = library_calls(root, file), written_calls(derived)
+    reached_by = {m.name: {c for c, (f, name) in calls.items()
+                          if f == m.file and owner(root, m) in reaches(root / f, name)}
+                  for m in page if m.file != file}
+    # Where there are none, the whole loop's: the technique's parity checks, the tests the kill matrix credits with a
+    # weight distance for one of this page's mutants (docs/mutants.md measures one only for a check of trained weights).
+    killer = {name: t.node for t in ctx["tests"].values() for name, d in t.kills if d != "-"}
+    parity = [ctx["tests"][node] for node in dict.fromkeys(killer[m.name] for m in page if m.name in killer)]
     matcher = difflib.SequenceMatcher(None, base, derived, autojunk=False)
     hunks, used = [], set()
     for n, group in enumerate(matcher.get_grouped_opcodes(2), 1):
@@ -299,6 +328,11 @@ def lesson(loop: Loop, root: Path, ctx: dict) -> dict:
         unit = best_unit([derived[j] for j in changed], units, why)
         mutants = [m for m in here if placed[m.name] and set(placed[m.name]) & set(range(j_first, j_last))]
         used |= {m.name for m in mutants}
+        called = sorted({c for j in changed for c in calls_at.get(j, ())} & set(calls))
+        through = [m for m in page if reached_by.get(m.name, set()) & set(called)]
+        via = [c for c in called if any(c in reached_by[m.name] for m in through)]
+        tests = tests_for(mutants, ctx, loop)
+        tests += [t for t in tests_for(through, ctx, loop, via=via) if t["test"] not in [u["test"] for u in tests]]
         side, unified = hunk_rows(group, base_hl, derived_hl)
         hunks.append(dict(
             n=n, anchor=f"hunk-{n}", title=f"{loop.base}.py {group[0][1] + 1}-{group[-1][2]} → "
@@ -306,13 +340,72 @@ def lesson(loop: Loop, root: Path, ctx: dict) -> dict:
             why=why, doc=unit and dict(heading=unit[0], anchor=slug(unit[0]),
                                        html=Markup(ctx["md"](unit[1], depth=1))),
             side=side, unified=unified, mutants=[mutant_view(m, root, ctx) for m in mutants],
-            tests=tests_for(mutants, ctx)))
-    technique = [t for t, name in TECHNIQUE_LOOP.items() if name == loop.name]
-    library = [mutant_view(m, root, ctx) for m in ctx["mutants"]
-               if (m.technique in technique or m.file == file) and m.name not in used]
+            tests=tests, whole=[] if tests else [test_view(t, page, loop) for t in parity]))
+    library = [mutant_view(m, root, ctx) for m in page if m.name not in used]
     return dict(tech=loop, hunks=hunks, library=library, doc_page=f"{loop.name}.html" if units else None,
                 changed=sum(j2 - j1 for op, _, _, j1, j2 in matcher.get_opcodes() if op in ("replace", "insert")),
                 lines=len(derived), proofs=proof_table(loop, root, ctx))
+
+
+def library_calls(root: Path, loop_file: str) -> dict[str, tuple[str, str]]:
+    """What a loop calls in the package, as the call is written -> (file, top-level name): `f` for
+    `from manual_train.x import f`, `x.f` for each top-level def or class f of x after `from manual_train import x`."""
+    calls = {}
+    for node in ast.parse((root / loop_file).read_text()).body:
+        if not isinstance(node, ast.ImportFrom) or not (node.module or "").startswith("manual_train"):
+            continue
+        for alias in node.names:
+            if node.module == "manual_train" and (root / "manual_train" / f"{alias.name}.py").exists():
+                f = f"manual_train/{alias.name}.py"
+                calls.update({f"{alias.asname or alias.name}.{d}": (f, d) for d in _defs(root / f)})
+            elif node.module != "manual_train":
+                calls[alias.asname or alias.name] = (node.module.replace(".", "/") + ".py", alias.name)
+    return calls
+
+
+def written_calls(lines: list[str]) -> dict[int, set[str]]:
+    """The calls written on each line (0-based) of Python source: `f(` as f, `x.f(` as x.f (strings and comments
+    are no calls)."""
+    return _written_calls("\n".join(lines) + "\n")
+
+
+@functools.lru_cache(maxsize=32)
+def _written_calls(text: str) -> dict[int, set[str]]:
+    toks = [t for t in tokenize.generate_tokens(io.StringIO(text).readline) if t.type in (tokenize.NAME, tokenize.OP)]
+    out = {}
+    for before, dot, name, paren in zip([None, None] + toks, [None] + toks, toks, toks[1:]):
+        if paren.string == "(" and name.type == tokenize.NAME:
+            dotted = dot is not None and dot.string == "." and before is not None and before.type == tokenize.NAME
+            out.setdefault(name.start[0] - 1, set()).add(f"{before.string}.{name.string}" if dotted else name.string)
+    return out
+
+
+def _defs(path: Path) -> dict[str, ast.AST]:
+    """A module's top-level functions and classes by name ({} where the file is not there)."""
+    return _top_level(path.read_text() if path.exists() else "")
+
+
+@functools.lru_cache(maxsize=64)
+def _top_level(text: str) -> dict[str, ast.AST]:
+    return {n.name: n for n in ast.parse(text).body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+
+
+def reaches(path: Path, name: str) -> set[str]:
+    """The top-level functions and classes of `path` that `name` runs: itself, what it calls by name, and so on."""
+    defs, seen, todo = _defs(path), set(), [name]
+    while todo:
+        n = todo.pop()
+        if n in defs and n not in seen:
+            seen.add(n)
+            todo += [c.func.id for c in ast.walk(defs[n]) if isinstance(c, ast.Call) and isinstance(c.func, ast.Name)]
+    return seen
+
+
+def owner(root: Path, mutant) -> str | None:
+    """The top-level function or class of its file that a mutant edits (None: module-level code)."""
+    lines = mutant_lines(root, mutant)
+    return next((name for name, node in _defs(root / mutant.file).items()
+                 if lines and node.lineno - 1 <= lines[0] < node.end_lineno), None)
 
 
 def proof_table(loop: Loop, root: Path, ctx: dict) -> list[dict]:
@@ -325,8 +418,9 @@ def proof_table(loop: Loop, root: Path, ctx: dict) -> list[dict]:
     return rows
 
 
-def tests_for(mutants: list, ctx: dict) -> list[dict]:
-    """The tests that kill these mutants, once each, with what they compare and the distances they reported."""
+def tests_for(mutants: list, ctx: dict, loop: Loop, via: list = ()) -> list[dict]:
+    """The tests that kill these mutants, once each, with what they compare and the distances they reported
+    (`via`: the calls of the hunk through which it reaches these mutants' code)."""
     out, seen = [], set()
     for m in mutants:
         for node in m.kill:
@@ -335,9 +429,18 @@ def tests_for(mutants: list, ctx: dict) -> list[dict]:
             if ref is None or ref.node in seen:
                 continue
             seen.add(ref.node)
-            out.append(dict(test=ref, claim=(ref.claims[0][1] if ref.claims else ""),
-                            kills=[k for k in ref.kills if k[0] in {x.name for x in mutants}]))
+            out.append(test_view(ref, mutants, loop, via))
     return out
+
+
+def test_view(ref: TestRef, mutants: list, loop: Loop, via: list = ()) -> dict:
+    """A test as a hunk lists it: what it compares (the claim of this technique's page first, else any page's) and
+    the distances the kill matrix measured under these mutants."""
+    own = [c for p, c in ref.claims if p == f"{loop.name}.md" and not c.startswith("...")]
+    names = {m.name for m in mutants}
+    return dict(test=ref, claim=own[0] if own else ref.doc or next((c for _, c in ref.claims), ""), via=list(via),
+                kills=[(n, d) for n, d in ref.kills if n in names and d != "-"],
+                mutants=sorted(n for n, _ in ref.kills if n in names))
 
 
 def mutant_view(m, root: Path, ctx: dict) -> dict:

@@ -83,9 +83,9 @@ def test_every_page_loads_without_console_errors_and_every_internal_link_resolve
 
 
 @needs_chromium
-def test_each_hunks_test_and_mutant_links_name_tests_and_mutants_that_exist(built, browser):
+def test_each_hunk_names_existing_tests_and_mutants_and_says_when_its_tests_are_the_whole_loops(built, browser):
     mutants = {m.name: m for m in catalogue()}
-    placed = 0
+    placed = whole_only = 0
     for loop in sorted(LESSON_LOOPS):
         browser.navigate((built / "diffs" / f"{loop}.html").as_uri())
         hunks = browser.evaluate("document.querySelectorAll('section.hunk').length")
@@ -98,6 +98,25 @@ def test_each_hunks_test_and_mutant_links_name_tests_and_mutants_that_exist(buil
             assert name in functions_in(file), f"{loop}: {node} is not a test"
         names = [unquote(urlsplit(href).fragment) for href in shown]
         assert set(names) <= set(mutants), f"{loop}: {set(names) - set(mutants)} are not in the catalogue"
+        # every hunk names a test; one whose only tests are the whole loop's parity checks says so, and only that one
+        # lists them; a test listed as the hunk's own kills a mutant of the hunk or of the code it calls
+        per_hunk = browser.evaluate(
+            "[...document.querySelectorAll('section.hunk')].map(s => ({id: s.id,"
+            " tests: s.querySelectorAll('a.test-link').length, says_whole: !!s.querySelector('p.whole-loop'),"
+            " whole: s.querySelectorAll('ul.whole-loop a.test-link').length,"
+            " own: [...s.querySelectorAll('.proof > ul:not(.whole-loop) > li')].map(li => ({"
+            "  test: li.querySelector('a.test-link').href, mutants: [...s.querySelectorAll("
+            "  'a.mutant-link, a.mutant-ref')].filter(a => !a.closest('ul.whole-loop') && (li.contains(a)"
+            "   || a.classList.contains('mutant-link'))).map(a => a.href)}))}))")
+        assert [h["id"] for h in per_hunk if not h["tests"]] == [], f"{loop}: hunks without a test"
+        for h in per_hunk:
+            assert h["says_whole"] == (h["whole"] > 0) == (not h["own"]), (loop, h)
+            whole_only += h["says_whole"]
+            for li in h["own"]:
+                node = unquote(urlsplit(li["test"]).fragment)
+                named = [unquote(urlsplit(href).fragment) for href in li["mutants"]]  # #mutant-X on the page
+                kills = {k.split("[")[0] for name in named for k in mutants[name.removeprefix("mutant-")].kill}
+                assert node in kills, f"{loop} {h['id']}: {node} kills no mutant of this hunk or of the code it calls"
         # every mutant of this loop's file or of its technique is on its page, each once
         expected = {m.name for m in mutants.values()
                     if m.file == f"manual_train/loops/{loop}.py" or TECHNIQUE_LOOP.get(m.technique) == loop}
@@ -114,6 +133,7 @@ def test_each_hunks_test_and_mutant_links_name_tests_and_mutants_that_exist(buil
                 f"'a.mutant-link[href$=\"#{name}\"]') && s.textContent.includes({kill.split('::')[1]!r}))"), \
                 f"{loop}: {name}'s hunk does not show {kill}"
     assert placed >= 10, placed  # the loops' own mutants (apex_o2, data_parallel, hybrid, ddp, ...) sit in hunks
+    assert 0 < whole_only < 61, whole_only  # of the 61 hunks, those no mutant reaches: shown with the whole loop's tests
 
 
 @needs_chromium
@@ -217,3 +237,23 @@ def test_each_mutant_of_a_loop_sits_under_the_hunk_that_holds_its_code(built):
     matrix = (REPO / "docs" / "mutants.md").read_text()
     distance = re.search(r"`ddp-no-set-epoch` \|[^|]*\|[^|]*\| ([^|]+) \|", matrix).group(1).strip()
     assert f"kill distance {distance}" in entry
+
+
+def test_a_hunk_that_calls_library_code_shows_the_tests_of_its_mutants_and_the_others_the_parity_checks(built):
+    """ZeRO's loop has no mutant of its own: the hunk that calls zero.shard() shows the tests that kill the mutants of
+    manual_train/zero.py that shard() runs; the other hunks show the parity checks as the whole loop's, each distance
+    the one measured under a mutant, against the bound the test asserts."""
+    html = (built / "diffs" / "zero.html").read_text()
+    sections = re.split(r'<section class="hunk" id="hunk-\d+">', html)[1:]
+    calling = [s for s in sections if re.search(r"\bshard</span><span class=\"p\">\(", s)]
+    assert calling and all("<code>shard()</code>" in s and 'class="none whole-loop"' not in s for s in calling)
+    for s in calling:
+        assert "tests/test_zero_cli.py::test_shards_optimizer_steps_the_parameters_forward_uses" in s
+        assert 'href="#mutant-zero-fsdp2-optimizer-before-sharding"' in s
+    others = [s for s in sections if s not in calling]
+    assert others and all('class="none whole-loop"' in s for s in others)
+    matrix = (REPO / "docs" / "mutants.md").read_text()
+    distance = re.search(r"`zero-oss-clip-local-norm` \|[^|]*\|[^|]*\| ([^|]+) \|", matrix).group(1).strip()
+    for s in others:
+        assert "tests/test_zero_parity.py::test_every_cpu_capable_impl_and_stage_equals_ddp" in s
+        assert f"zero-oss-clip-local-norm</code></a>: max abs diff {distance}, bound 1e-9 (64-true)" in s
