@@ -1,12 +1,19 @@
 """The lessons as a static site: `python -m manual_train.docs --html OUT` (make site).
 
 One page per technique loop: its diff against its parent side by side (unified on a narrow screen), every hunk
-beside its note (the hunk's own marker comments and the paragraph of docs/<technique>.md that speaks of its code),
+beside its note (the hunk's own marker comments and the paragraph of docs/<technique>.md that explains its code),
 and under each hunk the tests that prove it (what each compares, the distance it measured under a mutant against its
 bound): the tests that kill a mutant of the hunk or of the package code it calls, else the technique's parity checks,
 labelled as proving the whole loop; and the catalogue's mutants that break it (their diff, the kill distance, what
 a user sees: docs/bug-gallery.md). Every page of docs/ is rendered beside them, its links rewritten to the rendered
 pages, so the site reads offline from file://.
+
+A hunk's docs note is chosen by the docs, not guessed: a paragraph or list item of docs/<technique>.md names the code
+it explains in an HTML comment, invisible once rendered, on its own line above a paragraph (it belongs to the next
+paragraph under the same heading) or at the end of a list item: `<!-- explains: shard(sync_batchnorm(, ZeroConfig -->`.
+A hunk gets the first such unit, in page order, with a string written on one of the hunk's changed lines (code or
+marker comment, not inside a longer name); none, no note (no note is better than a wrong one). Sections that explain
+no code (tests, measurements, resume) claim nothing. `--check` reports a string that no hunk of its lesson writes.
 
 Built from the code and the committed pages only: the loops (manual_train/loops/), docs/*.md, the tests' own
 functions (tests/test_*.py, read with ast) and the mutant catalogue (tests/mutants/, with the kill matrix
@@ -15,7 +22,7 @@ docs/mutants.md and the gallery docs/bug-gallery.md for what was measured). Noth
 `render_site()` returns every file as text, so `--check --html OUT` can tell a stale built site from a fresh one,
 and `site_problems()` lists what would make the site wrong: a link or anchor that resolves nowhere, a test or mutant
 name that does not exist, a mutant whose code is no longer in the tree, a gallery or kill matrix that does not name
-the catalogue's mutants.
+the catalogue's mutants, an `explains:` string that no hunk of its lesson writes.
 """
 from __future__ import annotations
 
@@ -207,12 +214,17 @@ class _Markdown:
 
 def doc_units(text: str) -> list[tuple[str, str]]:
     """(heading, paragraph or list item) of a docs page, code blocks and tables left out: the units a hunk's note
-    is chosen from."""
-    units, heading, block, fence = [], "", [], False
+    is chosen from. An `explains:` comment alone in its block belongs to the next unit under the same heading."""
+    units, heading, block, fence, pending = [], "", [], False, []
 
     def flush():
         if block:
-            units.append((heading, "\n".join(block)))
+            text = "\n".join(block)
+            if EXPLAINS.sub("", text).strip():
+                units.append((heading, "\n".join(pending + [text])))
+                pending.clear()
+            else:
+                pending.append(text)
             block.clear()
 
     for line in text.splitlines():
@@ -224,6 +236,7 @@ def doc_units(text: str) -> list[tuple[str, str]]:
             continue
         if line.startswith("#"):
             flush()
+            pending.clear()
             heading = line.lstrip("#").strip()
         elif not line.strip() or line.lstrip().startswith("|"):
             flush()
@@ -236,24 +249,48 @@ def doc_units(text: str) -> list[tuple[str, str]]:
     return units
 
 
-IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*")
-COMMON = {"self", "with", "return", "else", "none", "true", "false", "from", "import", "item", "data", "model",
-          "device", "range", "float", "list", "dict", "print", "train", "step", "loss", "sum", "len", "and", "not",
-          "for", "if", "in", "is", "or", "def", "torch", "manual_train", "the"}
+EXPLAINS = re.compile(r"<!--\s*explains:(.*?)-->", re.S)
 
 
-def best_unit(code: list[str], units: list[tuple[str, str]], why: list[str] = ()) -> tuple[str, str] | None:
-    """The docs unit that names most of the hunk's identifiers and the words of its marker notes (rarer ones count
-    more, a long unit does not win by length alone); None when none names any."""
-    words = {w for line in code for w in IDENT.findall(line.split("#", 1)[0])
-             if len(w) > 3 and w.lower() not in COMMON}
-    words |= {w for note in why for w in re.findall(r"[A-Za-z_][\w.]+", note) if len(w) > 4 and w.lower() not in COMMON}
-    if not words:
-        return None
-    df = {w: sum(w in u for _, u in units) or 1 for w in words}
-    scored = [(sum(1 / df[w] for w in words if w in u) / (1 + len(u) / 800), i) for i, (_, u) in enumerate(units)]
-    score, i = max(scored, default=(0, 0))
-    return units[i] if score > 0 else None
+def explains(unit_text: str) -> list[str]:
+    """The code a docs unit says it explains: the comma-separated strings of its `<!-- explains: ... -->`."""
+    return [s.strip() for m in EXPLAINS.finditer(unit_text) for s in m.group(1).split(",") if s.strip()]
+
+
+def written_on(claim: str, lines: list[str]) -> bool:
+    """Whether `claim` is written on one of `lines`, not as part of a longer name (`shard(` is not in `reshard(`)."""
+    pattern = (r"(?<!\w)" if claim[0].isalnum() or claim[0] == "_" else "") + re.escape(claim) + \
+        (r"(?!\w)" if claim[-1].isalnum() or claim[-1] == "_" else "")
+    return any(re.search(pattern, line) for line in lines)
+
+
+def doc_note(changed: list[str], units: list[tuple[str, str]]) -> tuple[str, str] | None:
+    """The docs unit that explains a hunk: the first, in page order, whose `explains:` names code written on the
+    hunk's changed lines (its new side); None when none does (no note rather than a guessed one)."""
+    return next(((heading, EXPLAINS.sub("", text).strip()) for heading, text in units
+                 if any(written_on(c, changed) for c in explains(text))), None)
+
+
+def hunk_groups(base: list[str], derived: list[str]) -> list[list[tuple]]:
+    """The lesson's hunks: difflib's grouped opcodes, two lines of context."""
+    return list(difflib.SequenceMatcher(None, base, derived, autojunk=False).get_grouped_opcodes(2))
+
+
+def changed_lines(group, derived: list[str]) -> list[str]:
+    """A hunk's changed lines on the new side."""
+    return [derived[j] for op, _, _, j1, j2 in group if op != "equal" for j in range(j1, j2)]
+
+
+def stale_explains(loop: Loop, root: Path) -> list[str]:
+    """The `explains:` strings of docs/<loop>.md written on no hunk of its lesson, one line each."""
+    doc_path = root / "docs" / f"{loop.name}.md"
+    if not doc_path.exists():
+        return []
+    derived = loop_lines(loop.name, root)
+    hunks = [changed_lines(g, derived) for g in hunk_groups(loop_lines(loop.base, root), derived)]
+    return [f"docs/{loop.name}.md: <!-- explains: {c} --> (\"{heading}\"): no hunk of the {loop.name} lesson "
+            f"changes a line with it" for heading, text in doc_units(doc_path.read_text())
+            for c in explains(text) if not any(written_on(c, h) for h in hunks)]
 
 
 # ---------------------------------------------------------------------- the lesson pages
@@ -318,14 +355,14 @@ def lesson(loop: Loop, root: Path, ctx: dict) -> dict:
     parity = [ctx["tests"][node] for node in dict.fromkeys(killer[m.name] for m in page if m.name in killer)]
     matcher = difflib.SequenceMatcher(None, base, derived, autojunk=False)
     hunks, used = [], set()
-    for n, group in enumerate(matcher.get_grouped_opcodes(2), 1):
+    for n, group in enumerate(hunk_groups(base, derived), 1):
         j_first, j_last = group[0][3], group[-1][4]
         changed = [j for op, _, _, j1, j2 in group if op != "equal" for j in range(j1, j2)]
         why = []
         for op, i1, i2, j1, j2 in group:
             if op in ("replace", "insert"):
                 why += reasons(derived, range(j1, j2), loop.tag)
-        unit = best_unit([derived[j] for j in changed], units, why)
+        unit = doc_note(changed_lines(group, derived), units)
         mutants = [m for m in here if placed[m.name] and set(placed[m.name]) & set(range(j_first, j_last))]
         used |= {m.name for m in mutants}
         called = sorted({c for j in changed for c in calls_at.get(j, ())} & set(calls))
@@ -606,6 +643,8 @@ def site_problems(root: Path = REPO, files: dict[str, str] | None = None) -> lis
             found.append(f"docs/mutants.md does not name mutant {m.name}: run make mutants")
         if m.demo and m.name not in gallery:
             found.append(f"docs/bug-gallery.md has no entry for mutant {m.name}: run make mutants")
+    for loop in existing_loops(root):
+        found += stale_explains(loop, root)
     names = {m.name for m in mutants}
     if mutants:
         found += [f"docs/mutants.md names {n}, which the catalogue has not: run make mutants"

@@ -7,6 +7,7 @@ Without Chromium the browser tests skip and say so; the staleness check and the 
 from __future__ import annotations
 
 import ast
+import html
 import re
 import shutil
 import subprocess
@@ -257,3 +258,110 @@ def test_a_hunk_that_calls_library_code_shows_the_tests_of_its_mutants_and_the_o
     for s in others:
         assert "tests/test_zero_parity.py::test_every_cpu_capable_impl_and_stage_equals_ddp" in s
         assert f"zero-oss-clip-local-norm</code></a>: max abs diff {distance}, bound 1e-9 (64-true)" in s
+
+
+# Each hunk's docs note, judged by reading the hunk and docs/<technique>.md (2026-12-05): the hunk, named by code on
+# its changed lines -> the section and the first words of the paragraph that explains it, or None where no paragraph
+# of the page does (no note is better than a wrong one). The notes come from the docs' `<!-- explains: ... -->`
+# comments (manual_train/site.py); the word-overlap guess they replaced gave the pick after `was:` instead.
+DOC_NOTES = [
+    # wrong before
+    ("ddp", "with process_group(cfg) as", "What the diff changes (tag DDP)", "Set-up. Rank"),  # was: Exact evaluation
+    ("pipeline", "raw_model = Pipeline(raw_model", "What the diff changes (tag PIPELINE)", "The split."),  # was: Resume
+    ("pipeline", "reduce_tied_grads()", "What the diff changes (tag PIPELINE)", "Tied weights"),  # was: Parity
+    ("data_parallel", "peak_mem_per_device(devices + [device])", None, None),  # was: Which test proves what
+    ("hybrid", "the targets go where the logits come out", None, None),  # was: Which test proves what
+    ("hybrid", "**summary_extra(cfg", None, None),  # was: --mode dp-mp, "Three things are wrong there"
+    ("apex_o2", "optimizer.zero_grad()  # APEX_O2", None, None),  # was: O1 vs O2, "O1 patched torch functions"
+    ("apex_o2", "the docstring shows", "apex's O2, written out (and apex itself)",
+     "Code: launch/apex_o2.py"),  # was: 1. Set-up
+    ("zero", "def train(cfg: ZeroConfig)", "ZeRO: sharding the optimizer state, the gradients and the parameters over "
+     "the ranks", "Code: manual_train/loops/zero.py"),  # was: Parity: the same model as DDP
+    ("zero", "def train_rank(cfg: ZeroConfig", "ZeRO: sharding the optimizer state, the gradients and the parameters "
+     "over the ranks", "Code: manual_train/loops/zero.py"),  # was: no note
+    ("zero", "sharded.grad_scaler(", "ZeRO: sharding the optimizer state, the gradients and the parameters over the "
+     "ranks", "The GradScaler."),  # was: the Checkpoints item
+    ("zero", "sharded.no_sync(window_end)", "What each stage shards", "ZeRO trades communication for memory"),
+    ("zero", "sharded.clip_grad_norm(", "Traps", "Clipping: with sharded"),  # was: consolidate_state_dict
+    ("tensor_parallel", "def train_rank(cfg: TensorParallelConfig", "Tensor parallelism and 2-D FSDP2 × TP: "
+     "launch/tensor_parallel.py", "Every transformer block"),  # was: no note
+    ("tensor_parallel", "replicas=dp)", "What the diff changes (tag TENSOR_PARALLEL)", "The replicas."),  # was: resume
+    ("tensor_parallel", "weight = targets * dp", "What the diff changes (tag TENSOR_PARALLEL)", "The replicas."),
+    ("tensor_parallel", "parallelize(sync_batchnorm(", "What the diff changes (tag TENSOR_PARALLEL)", "The model."),
+    # a better one than before
+    ("data_parallel", "ExplicitDataParallel(model, devices, device)", "DataParallel: one process, the batch split over "
+     "devices", "Code: manual_train/loops/data_parallel.py"),  # was: "On CUDA these are"
+    ("model_parallel", "mp_plan(", "Micro-batches: GPipe's fill-drain schedule", "(M = 1 is naive"),  # was: the intro
+    ("hybrid", "ddp_kwargs(device=None)", "--mode ddp-mp: the modern form, one process per device pair",
+     "Each process splits the model"),  # the section its marker cites (was: "One loop for both modes")
+    ("pipeline", "with process_group(cfg) as", "Why its parent is the baseline, not the DDP loop",
+     "Every stage needs the same batch"),  # was: the Defaults paragraph, measured results
+    ("zero", "sharded.memory_report()", "ZeRO: sharding the optimizer state, the gradients and the parameters over "
+     "the ranks", "The end."),  # was: What is measured
+    # right before, and still
+    ("ddp", "DDP(sync_batchnorm(model", "What the diff changes (tag DDP)", "The model. DistributedDataParallel"),
+    ("ddp", "evaluate(model.module", "Exact evaluation", "Evaluation calls the wrapped module"),
+    ("ddp", "else model.no_sync():", "Accumulation: no_sync()", "With --accumulate K"),
+    ("data_parallel", "# >>> DATA_PARALLEL: one loss over the gathered batch", "What runs where (one optimizer step, 2 "
+     "GPUs, batch 32)", "One loss over the gathered outputs."),
+    ("model_parallel", "split_encoder_decoder(raw_model,", "What runs where", "split_encoder_decoder(raw_model"),
+    ("hybrid", "evaluate(model.module", "Hybrid data + model parallelism", "One loop for both modes."),
+    ("apex_o2", "(loss * scaler.scale).backward()", "The hand-written O2, step by step (manual_train/loops/apex_o2.py)",
+     "Backward: (loss * scaler.scale)"),
+    ("pipeline", "raw_model.wrap_optimizer(", "What the diff changes (tag PIPELINE)", "Checkpoints. Pipeline"),
+    ("zero", "sharded.zero_grad()", "Traps", "The zero_grad trap"),
+    ("tensor_parallel", "dp_coords(cfg, env)", "What the diff changes (tag TENSOR_PARALLEL)", "The replicas."),
+]
+
+
+def hunk_notes(built: Path, loop: str) -> list[tuple[str, str | None, str]]:
+    """(the hunk's changed lines on the new side, the docs note's section or None, the note's text) of a lesson."""
+    def text(fragment: str) -> str:
+        return " ".join(html.unescape(re.sub(r"<[^>]+>", "", fragment)).split())
+
+    out = []
+    for s in re.split(r'<section class="hunk" id="hunk-\d+">', (built / "diffs" / f"{loop}.html").read_text())[1:]:
+        plus = "\n".join(html.unescape(re.sub(r"<[^>]+>", "", c)) for c in re.findall(
+            r'<td class="right plus">(.*?)</td>', s))
+        note = re.search(r'<div class="docnote"><p class="from">From <a href="[^"]*">[^<]*, “([^”]*)”</a>:</p>'
+                         r'(.*?)</div>', s, re.S)
+        out.append((plus, html.unescape(note.group(1)) if note else None, text(note.group(2)) if note else ""))
+    return out
+
+
+def test_each_hunk_shows_the_docs_paragraph_that_explains_it_or_none(built):
+    """The notes judged right (DOC_NOTES), among them the ones the word-overlap guess got wrong: a hunk of DDP's set-up
+    beside "Exact evaluation", pipeline's split beside "Resume", a hunk beside "Which test proves what"."""
+    wrong = []
+    for loop, code, heading, starts in DOC_NOTES:
+        hunks = [h for h in hunk_notes(built, loop) if code in h[0]]
+        assert len(hunks) == 1, f"{loop}: {len(hunks)} hunks change a line with {code!r}"
+        _, got, note = hunks[0]
+        got = got and got.replace("`", "")  # the page shows the heading's `code` marks
+        if got != heading or not note.startswith(starts or ""):
+            wrong.append(f"{loop}, the hunk writing {code!r}: {got!r}, {note[:50]!r}; right: {heading!r}, "
+                         f"{starts!r}")
+    assert wrong == [], "\n".join(wrong)
+    # the hunks no paragraph explains show no docs note at all: the four above
+    assert sum(h[1] is None for loop in LESSON_LOOPS for h in hunk_notes(built, loop)) == 4
+
+
+def test_an_explains_comment_that_names_no_changed_line_is_reported(tmp_path):
+    """`--check` (site_problems) names an `explains:` string no hunk of its lesson writes: a typo or code since
+    renamed would otherwise leave its hunk without a note, silently."""
+    from manual_train import site
+    from manual_train.docs import LOOPS
+
+    ddp = next(loop for loop in LOOPS if loop.name == "ddp")
+    (tmp_path / "manual_train" / "loops").mkdir(parents=True)
+    (tmp_path / "docs").mkdir()
+    for name in ("single", "ddp"):
+        shutil.copy(REPO / "manual_train" / "loops" / f"{name}.py", tmp_path / "manual_train" / "loops")
+    page = (REPO / "docs" / "ddp.md").read_text()
+    (tmp_path / "docs" / "ddp.md").write_text(page)
+    assert site.stale_explains(ddp, tmp_path) == []
+    (tmp_path / "docs" / "ddp.md").write_text(page.replace("<!-- explains: DDP(sync_batchnorm( -->",
+                                                           "<!-- explains: DDP(sync_batchnorm(, DDP(model -->"))
+    assert site.stale_explains(ddp, tmp_path) == [
+        'docs/ddp.md: <!-- explains: DDP(model --> ("What the diff changes (tag DDP)"): no hunk of the ddp lesson '
+        'changes a line with it']
