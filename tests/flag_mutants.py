@@ -168,6 +168,7 @@ class TestText:
     file: str
     text: str  # the test, its decorators and the module-level code it uses
     own: str = ""  # the test and its decorators alone
+    doc: str = ""  # its docstring: an observing test names there the flags whose values it checks
 
 
 def _test_texts() -> list[TestText]:
@@ -206,7 +207,8 @@ def _test_texts() -> list[TestText]:
 
         def add(fn, prefix: str, extra: str = "") -> None:
             text = decorated(fn) + extra
-            out.append(TestText(f"tests/{path.name}::{prefix}{fn.name}", path.name, text + used(text, 2), text))
+            out.append(TestText(f"tests/{path.name}::{prefix}{fn.name}", path.name, text + used(text, 2), text,
+                                ast.get_docstring(fn) or ""))
 
         module_marks = "\n".join(ast.get_source_segment(source, n) or "" for n in tree.body if isinstance(n, ast.Assign)
                                  and any(isinstance(t, ast.Name) and t.id == "pytestmark" for t in n.targets))
@@ -233,11 +235,15 @@ def names_flag(text: str, mutant: FlagMutant) -> bool:
 
 
 def cost(t: TestText, m: FlagMutant) -> tuple:
-    """A test that names the flag itself before one whose helpers do; then, for a field that several config classes
-    declare (--impl: DataParallelConfig's, HybridConfig's, ZeroConfig's), one that names the flag's own class; the
-    observing tests, then the light ones."""
+    """A test of tests/test_flags_observed.py whose docstring names the flag (there a docstring says which flags'
+    values the test checks) first; then one that names the flag
+    itself before one whose helpers do; then, for a field that several config classes declare (--impl:
+    DataParallelConfig's, HybridConfig's, ZeroConfig's), one that names the flag's own class; the observing tests,
+    then the light ones. Without the first key, which of several tests passing `batch_size=` ran was decided by their
+    lengths, and an edit elsewhere in a test file dropped --batch-size's observing test from its three."""
     owner = m.spec.split(":")[1] if m.spec.startswith("config:") and m.shared else ""
-    return (not names_flag(t.own, m), not (owner and re.search(rf"\b{owner}\b", t.own)), t.file != OBSERVED,
+    says = t.file == OBSERVED and m.flag.startswith("--") and re.search(rf"{re.escape(m.flag)}(?![\w-])", t.doc)
+    return (not says, not names_flag(t.own, m), not (owner and re.search(rf"\b{owner}\b", t.own)), t.file != OBSERVED,
             sum(h in t.text for h in HEAVY), len(t.text))
 
 

@@ -55,6 +55,25 @@ def test_every_flag_is_a_mutant_and_the_kill_matrix_names_each():
     assert page == listed == names, "docs/mutants-flags.md and its JSON are stale: run `make mutants-flags`"
 
 
+def test_a_flag_runs_against_the_observing_tests_that_say_they_check_it():
+    """A test of tests/test_flags_observed.py whose docstring names a flag is among that flag's selected tests, however
+    long the other tests that pass its field are (--batch-size's selection once ranked three other tests, by length,
+    above test_loader_flags_reach_the_dataloader, and its mutant survived)."""
+    mutants = flag_mutants.flag_mutants()
+    flag_mutants.select_tests(mutants)
+    observing = [t for t in flag_mutants._test_texts() if t.file == flag_mutants.OBSERVED]
+    checked = 0
+    for m in mutants:
+        saying = [t.node for t in observing if (not m.tool or m.tool in t.text)  # a tool's flag: its tests only
+                  and m.flag.startswith("--") and re.search(rf"{re.escape(m.flag)}(?![\w-])", t.doc)]
+        if saying:
+            checked += 1
+            assert set(m.tests) & set(saying), (m.name, saying, m.tests)
+    by_name = {m.name: m for m in mutants}
+    assert "tests/test_flags_observed.py::test_loader_flags_reach_the_dataloader" in by_name["Config.batch_size"].tests
+    assert checked >= 40, checked
+
+
 def test_a_tools_own_build_parser_is_mutated_too(tmp_path):
     """The tuner parses its TuneFlags with config.build_parser and parse_known_args, not parse_config."""
     env = {**os.environ, "FLAG_MUTANT": "config:TuneFlags:rounds",

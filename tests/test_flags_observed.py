@@ -223,13 +223,14 @@ def test_loss_scale_flags_set_the_scalers_start_and_growth(tmp_path):
 
 
 def test_loader_flags_reach_the_dataloader(tmp_path, monkeypatch):
-    """--num-workers 2 --persistent-workers --prefetch-factor 3: the training and validation loaders have them."""
+    """--num-workers 2 --persistent-workers --prefetch-factor 3, --batch-size 16 and --eval-batch-size 100: the
+    training and validation loaders have them."""
     loaders = loaders_built(monkeypatch)
     flags = dict(TINY, eval_batch_size=100)
     single.train(make_cfg(tmp_path, max_steps=1, num_workers=2, persistent_workers=True, prefetch_factor=3,
                           batch_size=16, **flags))
     assert [(d.num_workers, d.persistent_workers, d.prefetch_factor) for d in loaders] == [(2, True, 3)] * 2
-    assert [d.batch_size for d in loaders] == [16, 100]  # --batch-size, --eval-batch-size
+    assert [d.batch_size for d in loaders] == [16, 100]
 
 
 def test_limit_val_batches_validates_on_that_many_batches(tmp_path, capsys):
