@@ -39,6 +39,18 @@ def test_catalogue_matrix_and_gallery_name_the_same_mutants():
     assert f"{len(names)} of {len(names)} killed." in matrix
 
 
+def test_the_gallerys_header_counts_the_demos_that_learn_as_its_entries_say():
+    """The header says how many correct runs reached their task's target and how many stayed below, as the entries
+    do (a header that said every demo learns, above 40 entries below their target, is what this catches)."""
+    page = (REPO / "docs" / "bug-gallery.md").read_text()
+    head = re.search(r"here (\d+) did, (\d+) stayed below, and (\d+) have no\s+target", page)
+    assert head, "docs/bug-gallery.md's header does not count the demos that reached their target"
+    reached = len(re.findall(r"\(the task's target, val acc >= [\d.]+, reached\)", page))
+    below = len(re.findall(r"\(below the task's target of val acc >= [\d.]+\)", page))
+    entries = len(re.findall(r"^### `", page, re.M))
+    assert [int(n) for n in head.groups()] == [reached, below, entries - reached - below]
+
+
 def _cheapest() -> list[str]:
     return [name for name, _ in sorted(_matrix_rows(), key=lambda row: row[1])[:CHEAPEST]]
 
