@@ -12,7 +12,7 @@ tests read (a multi-rank job's other scenarios cost minutes and prove nothing ab
 `demo` is the gallery's run: a launch script and its arguments (and torchrun's process count), run once with the
 mutant and once without; the gallery reports both runs' final validation loss and accuracy. A resume bug shows only in
 a resumed run: `demo_stop` stops the run after that many optimizer steps and resumes it to its end (the command
-needs --schedule constant, whose length may change across a resume).
+needs --schedule constant, whose length may change across a resume). A mutant without a demo says why in `no_demo`.
 """
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ class Mutant:
     env: dict = field(default_factory=dict)
     demo: tuple = ()  # (script, nproc or 0 for plain python, *argv)
     demo_stop: int = 0  # > 0: the gallery run stops after this many steps (--max-steps) and resumes (--resume auto)
+    no_demo: str = ""  # without a demo: why the gallery cannot show this bug in a run (it says so in the entry)
 
 
 # The techniques, in the order of the kill matrix and the gallery, and the docs page each links from.

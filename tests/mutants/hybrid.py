@@ -76,6 +76,6 @@ MUTANTS = [
         new="        return [devices[env.local_rank]], [devices[env.local_rank + 1]]",
         says="Rank r's device pair taken as entries r and r+1 instead of 2r and 2r+1: rank 0's decoder GPU is rank "
              "1's encoder GPU, and the node's last GPUs idle.",
-        kill=("tests/test_hybrid.py::test_ddp_mp_each_local_rank_takes_its_own_pair",)),  # no demo: on CPU every rank
-        # takes cpu,cpu, and the gallery has no 4 GPUs
+        kill=("tests/test_hybrid.py::test_ddp_mp_each_local_rank_takes_its_own_pair",),
+        no_demo="it needs 4 GPUs; on the CPU every rank's pair is cpu,cpu, so both pairings run the same."),
 ]

@@ -61,7 +61,9 @@ MUTANTS = [
              "split of the same global batch (4 ranks x 4 -> 2 ranks x 4 x accumulate 2) it starts at the wrong "
              "sample and replays or skips part of the epoch.",
         kill=("tests/test_world_size.py::test_saved_at_4_resumed_at_2_ends_where_the_uninterrupted_run_does[ddp_mid]",),
-        env={"JOB_SCENARIOS": "ddp_mid,ddp_mid_at2"}),
+        env={"JOB_SCENARIOS": "ddp_mid,ddp_mid_at2"},
+        no_demo="it shows when a run resumes at another world size or split of the same global batch, and a demo "
+                "resumes with the command it started with."),
     Mutant(
         name="resume-dcp-model-shards-only",
         technique="resume",
@@ -86,7 +88,9 @@ MUTANTS = [
              "to M ranks, every rank takes rank 0's, and the masks differ from the run's.",
         kill=("tests/test_world_size.py::test_dropout_at_another_world_size_is_refused_and_taking_rank_0s_streams_is"
               "_wrong",),
-        env={"JOB_SCENARIOS": "dropout_ref,dropout_boundary"}),
+        env={"JOB_SCENARIOS": "dropout_ref,dropout_boundary"},
+        no_demo="it shows when a dropout run resumes at another world size, and a demo resumes with the command it "
+                "started with."),
     Mutant(
         name="resume-no-early-stopping-state",
         technique="resume",
@@ -107,5 +111,7 @@ MUTANTS = [
         says="Random augmentation drawn from the loader worker's own stream: a resumed epoch hands its batches to "
              "the workers from the resume point, and every crop and flip after it differs.",
         report="Lightning #17543 (closed as won't fix), Accelerate #4195",
-        kill=("tests/test_augmentation.py::test_a_mid_epoch_resume_with_augmentation_in_two_workers_is_bitwise",)),
+        kill=("tests/test_augmentation.py::test_a_mid_epoch_resume_with_augmentation_in_two_workers_is_bitwise",),
+        no_demo="random augmentation is cifar10's, which the gallery cannot download (the test augments digits "
+                "itself)."),
 ]
