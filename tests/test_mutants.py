@@ -14,7 +14,7 @@ import re
 import pytest
 from conftest import REPO
 from mutants import catalogue
-from run_mutants import check, kill
+from run_mutants import TARGETS, check, gallery_entry, invisible, kill, Outcome
 
 MIN_MUTANTS = 45
 CHEAPEST = 6
@@ -49,6 +49,33 @@ def test_the_gallerys_header_counts_the_demos_that_learn_as_its_entries_say():
     below = len(re.findall(r"\(below the task's target, val (?:acc >=|bits per byte <=) [\d.]+[^()]*\)", page))
     entries = len(re.findall(r"^### `", page, re.M))
     assert [int(n) for n in head.groups()] == [reached, below, entries - reached - below]
+    assert below == 0, f"{below} demos' correct runs stay below their task's target: a bug's cost shows only in a run " \
+                       "that learns (give the demo a size or length where it does)"
+
+
+def test_the_targets_read_the_right_number_on_the_right_side():
+    """Digits by val accuracy from below, pydoc by bits per byte (the loss in nats / ln 2) from above."""
+    run = {"final_val_acc": 0.95, "final_val_loss": 2.18 * 0.6931471805599453}
+    assert TARGETS["digits"].reached(run) and not TARGETS["reverse"].reached(run)
+    assert TARGETS["pydoc"].reached(run)
+    assert not TARGETS["pydoc"].reached(run | {"final_val_loss": 2.19 * 0.6931471805599453})
+    assert not TARGETS["digits"].reached(run | {"final_val_acc": 0.9499})
+
+
+def test_a_bookkeeping_bug_shows_in_what_the_run_reports_not_as_nothing():
+    """A bug that leaves the validation numbers alone but halves samples_seen or changes the logged train loss is
+    visible to a user (summary.json, metrics.csv): its entry says so and does not call it invisible."""
+    correct = {"final_val_loss": 0.1228, "final_val_acc": 0.9596, "samples_seen": 6000, "last_train_loss": 0.0399}
+    assert invisible(correct, dict(correct))
+    assert invisible(correct, correct | {"final_val_loss": 0.1228 * 1.0099, "last_train_loss": 0.0399 * 0.9901})
+    assert not invisible(correct, correct | {"final_val_loss": 0.1228 * 1.011})
+    halved = correct | {"samples_seen": 3000}
+    assert not invisible(correct, halved)
+    assert not invisible(correct, correct | {"last_train_loss": 0.0450})
+    mutant = next(m for m in catalogue() if m.name == "ddp-samples-seen-per-rank")
+    entry = " ".join(gallery_entry(mutant, Outcome(mutant.name, "killed", "t", "", "", 1.0),
+                                   {"correct": correct, "mutant": halved}))
+    assert "samples_seen 6000 correct, 3000 with the bug" in entry and "changes nothing" not in entry
 
 
 def test_a_mutant_without_a_demo_says_why_and_its_entry_says_it_too():

@@ -57,5 +57,5 @@ MUTANTS = [
              "NaN.",
         report="LibreYOLO/libreyolo#771 (fused SGD corrupts momentum on scaler-skipped steps)",
         kill=("tests/test_levers.py::test_16_mixed_never_fuses_sgd_whose_kernel_writes_momentum_on_skipped_steps",),
-        demo=("single", 0, "--precision", "16-mixed", "--model", "mlp", "--loss-scale-init", "1e9", "--epochs", "2")),
+        demo=("single", 0, "--precision", "16-mixed", "--model", "mlp", "--loss-scale-init", "1e9", "--epochs", "4")),
 ]
