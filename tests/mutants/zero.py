@@ -10,7 +10,7 @@ The demos run launch/zero.py under torchrun on 2 ranks (digits, the MLP, 4 epoch
 from mutants import Mutant
 
 PARITY = "tests/test_zero_parity.py::test_every_cpu_capable_impl_and_stage_equals_ddp"
-CLIP = ("--grad-clip", "0.5")  # clips often (1.0 hardly did: a wrong norm showed nothing); learns in 5 epochs, not 4
+CLIP = ("--grad-clip", "0.5")  # clips more than 1.0: FSDP2's local-norm bug shows (OSS's does not); 5 epochs
 
 
 def parity(impl_stage: str, variant: str) -> dict:
