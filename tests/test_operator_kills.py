@@ -942,7 +942,9 @@ def test_parity_a_mixed_precision_run_gets_no_noise_floor_run(tmp_path):
     assert proc.returncode == 0 and proc.stdout.startswith("no verdict (16-mixed)"), proc.stdout + proc.stderr
     traces = {name: tmp_path / "w" / name / "steps.jsonl" for name in ("a", "floor")}
     done = {name: p.read_text().count("\n") if p.exists() else 0 for name, p in traces.items()}
-    assert done["floor"] < done["a"] / 2, done
+    # short of A's, not half of it: how far the floor run gets before it is stopped depends on the scheduler (151 of
+    # 188 steps in a fresh-clone run, 2026-12-05); one that ran to its end has A's 188
+    assert done["floor"] < done["a"], done
 
 
 def test_run_dcp_shards_a_zip_writer_refused_become_one_storage_line_and_the_folder_goes(tmp_path):
