@@ -156,7 +156,7 @@ def demo_run(root: Path, demo: tuple, out: Path, stop: int = 0) -> dict:
         train = [row for row in csv.DictReader(f) if row["split"] == "train"]
     return {k: summary.get(k) for k in ("final_val_loss", "final_val_acc", "optimizer_steps", "samples_seen")} | \
         {"last_train_loss": float(train[-1]["loss"]) if train else None} | \
-        ({"bits_per_byte": True} if "--dataset" in argv and argv[argv.index("--dataset") + 1] == "pydoc" else {})
+        ({"bits_per_byte": True} if demo_dataset(demo) == "pydoc" else {})
 
 
 def gallery_runs(mutants: list[Mutant]) -> dict:
@@ -281,8 +281,9 @@ def gallery_entry(m: Mutant, o: Outcome, run: dict | None, when: str = "") -> li
                        else f" (below the task's target, {target.what})")
         lines += [f"{how}: correct {_run_cell(correct)}{reached}; with the bug {_run_cell(mutant)}"
                   + (f" (measured {when})" if when else "") + ".", ""]
-        if reported_differences(correct, mutant):
-            lines += ["What the run reports differs too: " + "; ".join(reported_differences(correct, mutant)) + ".", ""]
+        differences = reported_differences(correct, mutant)
+        if differences:
+            lines += ["What the run reports differs too: " + "; ".join(differences) + ".", ""]
         if invisible(correct, mutant):
             lines += ["At this size the bug changes nothing a user sees: the same accuracy, the loss within 1%. "
                       + (f"The parity test sees it: max abs diff {o.distance} where 64-true allows 1e-9."

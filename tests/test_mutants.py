@@ -14,7 +14,7 @@ import re
 import pytest
 from conftest import REPO
 from mutants import catalogue
-from run_mutants import TARGETS, check, gallery_entry, invisible, kill, Outcome
+from run_mutants import TARGETS, Outcome, check, gallery_entry, invisible, kill, page_counts
 
 MIN_MUTANTS = 45
 CHEAPEST = 6
@@ -45,10 +45,8 @@ def test_the_gallerys_header_counts_the_demos_that_learn_as_its_entries_say():
     page = (REPO / "docs" / "bug-gallery.md").read_text()
     head = re.search(r"here (\d+) did, (\d+) stayed below, and (\d+) have no\s+target", page)
     assert head, "docs/bug-gallery.md's header does not count the demos that reached their target"
-    reached = len(re.findall(r"\(the task's target, val (?:acc >=|bits per byte <=) [\d.]+[^()]*, reached\)", page))
-    below = len(re.findall(r"\(below the task's target, val (?:acc >=|bits per byte <=) [\d.]+[^()]*\)", page))
-    entries = len(re.findall(r"^### `", page, re.M))
-    assert [int(n) for n in head.groups()] == [reached, below, entries - reached - below]
+    reached, below, none = page_counts(page)
+    assert [int(n) for n in head.groups()] == [reached, below, none]
     assert below == 0, f"{below} demos' correct runs stay below their task's target: a bug's cost shows only in a run " \
                        "that learns (give the demo a size or length where it does)"
 
