@@ -30,6 +30,21 @@ def test_digits_split_is_fixed_and_seed_independent(tmp_path):
     assert overlap < 5  # a handful of digits are pixel-identical duplicates in the source data
 
 
+
+def test_digits_read_from_the_file_are_scikit_learns_load_digits():
+    """data.py reads scikit-learn's digits file itself (importing sklearn.datasets costs ~0.9 s of CPU in every
+    process); the split must be what load_digits' images and targets give, element for element."""
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    images = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 8.0 - 1.0
+    order = torch.randperm(len(digits.target), generator=torch.Generator().manual_seed(data.DIGITS_SPLIT_KEY))
+    (x_train, y_train), (x_val, y_val) = (ds.tensors for ds in data.load_digits_split())
+    assert torch.equal(x_train, images[order[:data.DIGITS_TRAIN]]) and torch.equal(x_val, images[order[data.DIGITS_TRAIN:]])
+    assert torch.equal(y_train, torch.tensor(digits.target)[order[:data.DIGITS_TRAIN]])
+    assert torch.equal(y_val, torch.tensor(digits.target)[order[data.DIGITS_TRAIN:]])
+    assert y_train.dtype == torch.int64
+
 def batches(loader, epochs=2):
     out = []
     for epoch in range(epochs):

@@ -247,7 +247,7 @@ def _scenario(name: str, world_size: int, rank: int, out: Path) -> dict:
     return _uneven_scenario(name, out / name)
 
 
-PRELOAD = ["manual_train.loops.ddp", "manual_train.loops.zero", "manual_train.bench.ddp_knobs", "sklearn.datasets"]
+PRELOAD = ["manual_train.loops.ddp", "manual_train.loops.zero", "manual_train.bench.ddp_knobs"]
 
 
 @pytest.fixture(scope="module")

@@ -253,7 +253,7 @@ def _scenario(name: str, world_size: int, rank: int, out: Path) -> dict:
     return _scenario_parity(world_size, out / name, **kwargs)
 
 
-PRELOAD = ["manual_train.loops.ddp", "manual_train.loops.single", "sklearn.datasets"]
+PRELOAD = ["manual_train.loops.ddp", "manual_train.loops.single"]
 
 
 # ---------------------------------------------------------------------- jobs and references (once per module)

@@ -193,7 +193,7 @@ def _scenario_any(name: str, world_size: int, rank: int, out: Path) -> dict:
     return _scenario(name, world_size, out / name)
 
 
-PRELOAD = ["manual_train.loops.zero", "manual_train.loops.single", "sklearn.datasets", "manual_train.zero_fairscale",
+PRELOAD = ["manual_train.loops.zero", "manual_train.loops.single", "manual_train.zero_fairscale",
            "manual_train.bench.zero_memory", "torch.distributed.checkpoint"]
 
 
