@@ -36,13 +36,15 @@ demo: $(VENV)/.installed-demo
 	$(VENV)/bin/torchrun --nproc_per_node=4 launch/ddp.py
 
 # pytest exits 5 when it collected no tests: that is a broken suite, not a pass.
-# TEST_WORKERS: pytest-xdist workers, one per 2 cores from 4 cores up (many tests run 2 processes, a job's ranks);
-# none on 2 cores, where `-n 2` was not faster when pytest ran 2 intra-op threads (measured before the suite went to
-# one thread a process: to be measured again, `make test TEST_WORKERS=2`). --dist loadfile keeps a file's tests, and
-# so its module-scoped set-ups, on one worker: nothing is computed twice.
-TEST_WORKERS ?= $(shell $(PYTHON) -c "import os; n = os.cpu_count() or 1; print(n // 2 if n >= 4 else 0)")
+# TEST_WORKERS: pytest-xdist workers. Every process of the suite computes with one thread, so one pytest process
+# leaves the second core idle whenever it trains alone: on 2 cores 2 workers took 750 s where one took 979 s (same
+# tree and quiet 2-core Xeon, 2026-12-06); from 4 cores up one worker per 2 cores (many tests run 2 processes, a
+# job's ranks); none on one core. --dist loadfile keeps a file's tests, and so its module-scoped set-ups, on one
+# worker: nothing is computed twice. --no-loadscope-reorder: the files go out in conftest's order, the dearest first
+# (xdist's own order is by number of tests, which sent a 90 s file last).
+TEST_WORKERS ?= $(shell $(PYTHON) -c "import os; n = os.cpu_count() or 1; print(max(2, n // 2) if n >= 2 else 0)")
 test: $(VENV)/.installed
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile; rc=$$?; \
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 # The tests that compare a technique with the baseline (or a resume with the uninterrupted run), run once per

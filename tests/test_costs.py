@@ -3,6 +3,7 @@ its agent and its ranks, and other programs (inductor's g++, a shell) do not."""
 from __future__ import annotations
 
 import subprocess
+from pathlib import Path
 import sys
 
 import costs
@@ -20,3 +21,19 @@ def test_only_python_interpreters_and_torchruns_ranks_are_counted(monkeypatch):
     proc = costs.CountingPopen(["torchrun", "--nproc_per_node", "3", "x.py"], executable="true")
     proc.wait()
     assert costs.started["interpreters"] == 1 + 4
+
+
+def test_the_dearest_files_go_first_and_each_named_file_exists():
+    """conftest's DEAREST_FIRST orders the collection (xdist hands the files out in that order): its files first,
+    in its order, then the rest as collected; a renamed or deleted file in the list would silently lose its place."""
+    from types import SimpleNamespace
+
+    import conftest
+
+    tests = Path(conftest.__file__).parent
+    assert [name for name in conftest.DEAREST_FIRST if not (tests / name).is_file()] == []
+    first, second = conftest.DEAREST_FIRST[:2]
+    items = [SimpleNamespace(path=tests / name, n=i) for i, name in
+             enumerate(["test_a.py", second, "test_b.py", first, second, "test_a.py"])]
+    assert [(item.path.name, item.n) for item in conftest.dearest_first(items)] == \
+        [(first, 3), (second, 1), (second, 4), ("test_a.py", 0), ("test_b.py", 2), ("test_a.py", 5)]
