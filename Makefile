@@ -41,10 +41,11 @@ demo: $(VENV)/.installed-demo
 # tree and quiet 2-core Xeon, 2026-12-06); from 4 cores up one worker per 2 cores (many tests run 2 processes, a
 # job's ranks); none on one core. --dist loadfile keeps a file's tests, and so its module-scoped set-ups, on one
 # worker: nothing is computed twice. --no-loadscope-reorder: the files go out in conftest's order, the dearest first
-# (xdist's own order is by number of tests, which sent a 90 s file last).
+# (xdist's own order is by number of tests, which sent a 90 s file last). TEST_ARGS: more pytest options, e.g.
+# `make test TEST_ARGS=--cost-report=costs.md` (where the time goes, per file: tests/costs.py).
 TEST_WORKERS ?= $(shell $(PYTHON) -c "import os; n = os.cpu_count() or 1; print(max(2, n // 2) if n >= 2 else 0)")
 test: $(VENV)/.installed
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder; rc=$$?; \
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(TEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 # The tests that compare a technique with the baseline (or a resume with the uninterrupted run), run once per

@@ -79,11 +79,26 @@ def pytest_runtest_protocol(item, nextitem):
         yield
 
 
-def pytest_terminal_summary(terminalreporter, config):
+def pytest_sessionfinish(session):
+    if session.config.getoption("cost_report") and hasattr(session.config, "workeroutput"):  # an xdist worker
+        session.config.workeroutput["costs"] = dict(costs.totals)
+
+
+@pytest.hookimpl(optionalhook=True)  # (pytest-xdist's hook: the controller, as each worker ends)
+def pytest_testnodedown(node, error):
+    costs.add(getattr(node, "workeroutput", {}).get("costs", {}))
+
+
+def pytest_terminal_summary(terminalreporter, config):  # (the controller, under xdist: after every worker ended)
     if config.getoption("cost_report"):
         import platform
-        machine = f"{os.cpu_count()} cores, {platform.processor() or platform.machine()}, ATen " \
-                  f"{torch.backends.cpu.get_cpu_capability()}"
+        model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                      if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() \
+            else platform.processor()
+        workers = config.getoption("numprocesses", None) or 0
+        machine = f"{os.cpu_count()} cores, {model or platform.machine()}, ATen " \
+                  f"{torch.backends.cpu.get_cpu_capability()}; " \
+                  f"{f'{workers} pytest-xdist workers' if workers else 'one pytest process'}"
         terminalreporter.write_line(costs.write(config.getoption("cost_report"), machine))
 
 

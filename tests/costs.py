@@ -5,8 +5,10 @@ Per test file: wall seconds, CPU seconds of the pytest process itself, CPU secon
 from getrusage(RUSAGE_CHILDREN)) and of tests/jobs.py's forked ranks (they report their own), and how many processes
 were started: interpreters (each imports torch: ~4 s of CPU on a 2-core EPYC) and forked job ranks (no import).
 The table is what README's Tests section quotes (issue 41, item 1). Process starts inside a started process (the
-ranks of a torchrun a pytest subprocess starts) are in its CPU, not in the counts. A serial run's report: under
-pytest-xdist (-n N) the workers measure and the controller, which writes the table, has nothing.
+ranks of a torchrun a pytest subprocess starts) are in its CPU, not in the counts. Under pytest-xdist (`make test
+TEST_ARGS=--cost-report=FILE`) each worker measures its own files and hands its rows to the controller as it ends
+(xdist's workeroutput); the controller, which writes the table, adds them up. Wall seconds are then each file's
+own on its worker, and their sum is more than the run's wall time.
 """
 from __future__ import annotations
 
@@ -56,6 +58,13 @@ def measure(item):
     for column, b, a in zip(COLUMNS, before, after):
         row[column] += a - b
     row["tests"] += 1
+
+
+def add(rows: dict) -> None:
+    """An xdist worker's rows (its `totals`), added on the controller before write()."""
+    for name, row in rows.items():
+        for column, value in row.items():
+            totals[name][column] += value
 
 
 def write(path: Path, machine: str) -> str:
