@@ -37,3 +37,16 @@ def test_the_dearest_files_go_first_and_each_named_file_exists():
              enumerate(["test_a.py", second, "test_b.py", first, second, "test_a.py"])]
     assert [(item.path.name, item.n) for item in conftest.dearest_first(items)] == \
         [(first, 3), (second, 1), (second, 4), ("test_a.py", 0), ("test_b.py", 2), ("test_a.py", 5)]
+
+
+def test_the_workers_rows_add_up_on_the_controller(monkeypatch):
+    """Under xdist each worker measures its own files: the controller's table is the sum of their rows, a file two
+    workers share (never, with --dist loadfile, but not assumed) added column by column."""
+    from collections import defaultdict
+
+    monkeypatch.setattr(costs, "totals", defaultdict(lambda: dict.fromkeys(costs.COLUMNS, 0)))
+    row = dict(zip(costs.COLUMNS, (10.0, 1.0, 2.0, 3.0, 4, 5, 6)))
+    costs.add({"tests/test_a.py": row, "tests/test_b.py": row})
+    costs.add({"tests/test_a.py": row})
+    assert costs.totals["tests/test_a.py"] == {column: 2 * value for column, value in row.items()}
+    assert costs.totals["tests/test_b.py"] == row
