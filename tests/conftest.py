@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import atexit
+import fcntl
+import hashlib
+import json
 import math
 import os
 import shutil
@@ -210,11 +213,31 @@ def train_state(module, config_cls, tmp_path: Path, name: str, **overrides) -> t
     return load_model_state(tmp_path / name / "run"), summary
 
 
+def once_per_run(tmp_path_factory, name: str, make) -> tuple[Path, object]:
+    """make(out) -> a JSON-able result, run once per pytest run into a folder `out` of its own; returns (out, the
+    result). Under pytest-xdist each worker is a session of its own, so a session-scoped fixture alone would run
+    its set-up once per worker that needs it (a 2-rank torchrun job: three interpreter starts). Here the first
+    worker to ask runs make under a lock in the run's shared temporary folder (the parent of the workers' own);
+    the others wait on the lock and read the folder and result it left. A make that fails leaves no result: the
+    next one to ask runs it again, in a new folder (a launch script refuses to write into a used run folder)."""
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    done = shared / f"{name}.json"
+    with open(shared / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if make raises
+        if not done.exists():
+            out = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=shared))
+            done.write_text(json.dumps({"out": str(out), "result": make(out)}))
+    found = json.loads(done.read_text())
+    return Path(found["out"]), found["result"]
+
+
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory):
-    """reference(**flags) -> (final weights, summary) of the single-device loop (manual_train.loops.single, in this
-    process, outputs in a folder of its own) with these flags, computed once per pytest run: several files compare
-    their technique with the same baseline run. Call it before any monkeypatch of the loop's code."""
+    """reference(**flags) -> (final weights, summary) of the single-device loop (manual_train.loops.single, in a
+    pytest process, outputs in a folder of its own) with these flags, computed once per pytest run (once_per_run:
+    also under xdist): several files compare their technique with the same baseline run. Call it before any
+    monkeypatch of the loop's code."""
     from manual_train.loops import single
 
     cache = {}
@@ -222,7 +245,10 @@ def reference(tmp_path_factory):
     def get(**flags):
         key = tuple(sorted(flags.items()))
         if key not in cache:
-            cache[key] = train_state(single, Config, tmp_path_factory.mktemp("reference"), "s", **flags)
+            name = "reference-" + hashlib.sha256(repr(key).encode()).hexdigest()[:16]
+            out, summary = once_per_run(tmp_path_factory, name,
+                                        lambda out: single.train(make_cfg(out / "s", Config, **flags)))
+            cache[key] = load_model_state(out / "s" / "run"), summary
         return cache[key]
     return get
 
@@ -326,11 +352,15 @@ DDP_TORCHRUN_FLAGS = ("--model", "mlp", "--batch-size", "16", "--epochs", "2", "
 
 @pytest.fixture(scope="session")
 def ddp_torchrun_uninterrupted(tmp_path_factory):
-    """(out dir, CompletedProcess) of `torchrun --nproc_per_node=2 launch/ddp.py *DDP_TORCHRUN_FLAGS --out-dir A`."""
-    out = tmp_path_factory.mktemp("ddp-torchrun-A")
-    proc = run_script("ddp", *DDP_TORCHRUN_FLAGS, "--out-dir", str(out), launcher=torchrun(2), timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return out, proc
+    """(out dir, CompletedProcess) of `torchrun --nproc_per_node=2 launch/ddp.py *DDP_TORCHRUN_FLAGS --out-dir A`
+    (once_per_run: one job also under xdist)."""
+    def make(out):
+        proc = run_script("ddp", *DDP_TORCHRUN_FLAGS, "--out-dir", str(out / "A"), launcher=torchrun(2), timeout=240)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return [proc.args, proc.returncode, proc.stdout, proc.stderr]
+
+    out, proc = once_per_run(tmp_path_factory, "ddp-torchrun", make)
+    return out / "A", subprocess.CompletedProcess(*proc)
 
 
 # The same for one process: launch/single.py's uninterrupted run of the mlp (32-true, 2 epochs of digits at batch 64,
@@ -342,11 +372,12 @@ SINGLE_SCRIPT_FLAGS = ("--model", "mlp", "--epochs", "2", "--batch-size", "64", 
 
 @pytest.fixture(scope="session")
 def single_script_uninterrupted(tmp_path_factory):
-    """The out dir of `python launch/single.py *SINGLE_SCRIPT_FLAGS --out-dir A` (a real subprocess)."""
-    out = tmp_path_factory.mktemp("single-script-A")
-    proc = run_script("single", *SINGLE_SCRIPT_FLAGS, "--out-dir", str(out))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return out
+    """The out dir of `python launch/single.py *SINGLE_SCRIPT_FLAGS --out-dir A` (a real subprocess; once_per_run)."""
+    def make(out):
+        proc = run_script("single", *SINGLE_SCRIPT_FLAGS, "--out-dir", str(out / "A"))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+
+    return once_per_run(tmp_path_factory, "single-script", make)[0] / "A"
 
 
 TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",

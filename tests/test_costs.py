@@ -1,10 +1,13 @@
-"""tests/costs.py's counts (the README's cost table quotes them): a Python interpreter started counts, torchrun counts
-its agent and its ranks, and other programs (inductor's g++, a shell) do not."""
+"""The suite's own time machinery: tests/costs.py's counts (the README's cost table quotes them: a Python interpreter
+started counts, torchrun counts its agent and its ranks, other programs do not), the workers' rows added up, the
+dearest files handed out first, and a shared set-up made once per run across xdist workers (tests/conftest.py)."""
 from __future__ import annotations
 
 import subprocess
-from pathlib import Path
 import sys
+from pathlib import Path
+
+import pytest
 
 import costs
 
@@ -50,3 +53,47 @@ def test_the_workers_rows_add_up_on_the_controller(monkeypatch):
     costs.add({"tests/test_a.py": row})
     assert costs.totals["tests/test_a.py"] == {column: 2 * value for column, value in row.items()}
     assert costs.totals["tests/test_b.py"] == row
+
+
+def test_a_set_up_runs_once_per_run_across_xdist_workers(tmp_path, monkeypatch):
+    """conftest.once_per_run: two workers (threads here, each with its own basetemp under the run's folder, as xdist
+    lays them out) ask for the same set-up while the first is still making it: it is made once, and both get its
+    folder and result; a make that fails leaves nothing, and the next one to ask makes it again in a new folder."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    import conftest
+
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw0")
+    made, got = [], {}
+
+    def make(out):
+        made.append(out)
+        time.sleep(0.5)  # the second worker asks meanwhile
+        (out / "weights").write_text("w")
+        return {"summary": 1}
+
+    def worker(name):
+        (tmp_path / name).mkdir()
+        factory = SimpleNamespace(getbasetemp=lambda: tmp_path / name)
+        got[name] = conftest.once_per_run(factory, "job", make)
+
+    threads = [threading.Thread(target=worker, args=(name,)) for name in ("popen-gw0", "popen-gw1")]
+    threads[0].start()
+    time.sleep(0.1)
+    threads[1].start()
+    for thread in threads:
+        thread.join()
+    assert len(made) == 1 and got["popen-gw0"] == got["popen-gw1"] == (made[0], {"summary": 1})
+    assert made[0].parent == tmp_path and (made[0] / "weights").read_text() == "w"
+
+    def failing(out):
+        made.append(out)
+        raise AssertionError("the job failed")
+
+    factory = SimpleNamespace(getbasetemp=lambda: tmp_path / "popen-gw0")
+    with pytest.raises(AssertionError, match="the job failed"):
+        conftest.once_per_run(factory, "broken", failing)
+    out, result = conftest.once_per_run(factory, "broken", make)
+    assert result == {"summary": 1} and out == made[-1] != made[-2]
