@@ -48,7 +48,7 @@ DIGITS_SPLIT_KEY = 20240229  # a fixed key, independent of --seed, so the split 
 # ---------------------------------------------------------------------- datasets
 def digits_file() -> Path:
     """scikit-learn's copy of the digits (1797 rows: 64 pixels 0..16, then the label), found without importing
-    scikit-learn: `from sklearn.datasets import load_digits` costs ~0.9 s of CPU (scipy and more, measured
+    scikit-learn: `from sklearn.datasets import load_digits` costs ~1.3 s of CPU (scipy and more, measured
     2026-12-06 on a 2-core Xeon), paid by every process that trains on digits, every rank of a torchrun job
     included; the file itself reads in milliseconds. sklearn.datasets.load_digits reads this file the same way
     (tests/test_data.py checks the two agree element for element)."""

@@ -32,7 +32,7 @@ def test_digits_split_is_fixed_and_seed_independent(tmp_path):
 
 
 def test_digits_read_from_the_file_are_scikit_learns_load_digits():
-    """data.py reads scikit-learn's digits file itself (importing sklearn.datasets costs ~0.9 s of CPU in every
+    """data.py reads scikit-learn's digits file itself (importing sklearn.datasets costs ~1.3 s of CPU in every
     process); the split must be what load_digits' images and targets give, element for element."""
     from sklearn.datasets import load_digits
 
