@@ -39,10 +39,11 @@ demo: $(VENV)/.installed-demo
 # TEST_WORKERS: pytest-xdist workers. Every process of the suite computes with one thread, so one pytest process
 # leaves the second core idle whenever it trains alone: on a quiet 2-core Xeon (2026-12-06, same tree) 2 workers took
 # 750 s where one took 979 s, and 3 took 805 s where 2 took 721 s. 2 workers on 2 to 5 cores (measured on 2 only),
-# one per 2 cores from 6 up (many tests run 2 processes, a job's ranks), none on one core. --dist loadfile keeps a file's tests, and so its module-scoped set-ups, on one
-# worker: nothing is computed twice. --no-loadscope-reorder: the files go out in conftest's order, the dearest first
-# (xdist's own order is by number of tests, which sent a 90 s file last). TEST_ARGS: more pytest options, e.g.
-# `make test TEST_ARGS=--cost-report=costs.md` (where the time goes, per file: tests/costs.py).
+# one per 2 cores from 6 up (many tests run 2 processes, a job's ranks), none on one core. --dist loadfile keeps a
+# file's tests, and so its module-scoped set-ups, on one worker: nothing is computed twice. --no-loadscope-reorder:
+# the files go out in conftest's order, the dearest first (xdist's own order is by number of tests, which sent a 90 s
+# file last). TEST_ARGS: more pytest options, e.g. `make test TEST_ARGS=--cost-report=costs.md` (where the time goes,
+# per file: tests/costs.py).
 TEST_WORKERS ?= $(shell $(PYTHON) -c "import os; n = os.cpu_count() or 1; print(max(2, n // 2) if n >= 2 else 0)")
 test: $(VENV)/.installed
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(TEST_ARGS); rc=$$?; \

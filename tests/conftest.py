@@ -47,7 +47,6 @@ def pytest_configure(config):
         costs.enable()
 
 
-
 # The dearest files first (wall seconds of a serial `pytest --cost-report`, 2-core Xeon with AVX-512, 2026-12-06;
 # README's Tests section). Under pytest-xdist --dist loadfile (`make test`) a worker takes the next file when it
 # runs out: a dear file taken last leaves the other workers idle while it runs alone (before this order, xdist
@@ -67,6 +66,7 @@ def dearest_first(items: list) -> list:
 
 def pytest_collection_modifyitems(config, items):
     items[:] = dearest_first(items)
+
 
 # `pytest --cost-report=FILE`: where the time goes, per test file (tests/costs.py; README's Tests section).
 def pytest_addoption(parser):
@@ -94,14 +94,11 @@ def pytest_testnodedown(node, error):
 
 def pytest_terminal_summary(terminalreporter, config):  # (the controller, under xdist: after every worker ended)
     if config.getoption("cost_report"):
-        import platform
-        model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                      if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() \
-            else platform.processor()
+        from manual_train.bench.report import _cpu_model
+
         workers = config.getoption("numprocesses", None) or 0
-        machine = f"{os.cpu_count()} cores, {model or platform.machine()}, ATen " \
-                  f"{torch.backends.cpu.get_cpu_capability()}; " \
-                  f"{f'{workers} pytest-xdist workers' if workers else 'one pytest process'}"
+        machine = (f"{os.cpu_count()} cores of {_cpu_model()}, ATen {torch.backends.cpu.get_cpu_capability()}; "
+                   + (f"{workers} pytest-xdist workers" if workers else "one pytest process"))
         terminalreporter.write_line(costs.write(config.getoption("cost_report"), machine))
 
 
