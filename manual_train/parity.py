@@ -416,9 +416,9 @@ def _last_line(log: Path) -> str:
 
 def run_pair(cmd_a: str, cmd_b: str, work: Path, quiet: bool = False, floor: bool = True) -> tuple:
     """Run both commands side by side (their output in work/a.log, work/b.log), refusing incomparable runs as soon
-    as both have said what they run; progress lines meanwhile. `floor` and A not in 64-true: a third run, A with its
-    initial weights one ulp up (work/floor/), measures the fp32 noise floor. Returns the traces (A, B, floor or
-    None)."""
+    as both have said what they run; progress lines meanwhile. `floor` and A in 32-true (said in its trace's
+    meta.json): a third run, A with its initial weights one ulp up (work/floor/), measures the fp32 noise floor.
+    Returns the traces (A, B, floor or None)."""
     work.mkdir(parents=True, exist_ok=True)
     jobs = {}
     runs = [("A", cmd_a, "--a", "a"), ("B", cmd_b, "--b", "b")]
@@ -430,11 +430,17 @@ def run_pair(cmd_a: str, cmd_b: str, work: Path, quiet: bool = False, floor: boo
             raise BadInput(f"--work-dir: {trace} already holds a trace (allowed: a new --work-dir)")
         jobs[key] = dict(flag=flag, trace=trace, argv=build_command(text, flag, trace, work / f"{name}-run"),
                          log=work / f"{name}.log")
-    for key, job in jobs.items():
+    def start(key: str, job: dict) -> None:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **({NUDGE_ENV: "1"} if key == "floor" else {})}
         with open(job["log"], "w") as log:
             job["proc"] = subprocess.Popen(job["argv"], stdout=log, stderr=subprocess.STDOUT, env=env,
                                            start_new_session=True)  # its own group: torchrun's ranks end with it
+
+    # The floor is 32-true's: its run starts once A has said its precision, and only for 32-true (started with A and
+    # stopped later, a short run could finish first: a whole run for nothing, and on some machines, not on others).
+    floor_job = jobs.pop("floor", None)
+    for key, job in jobs.items():
+        start(key, job)
     try:
         checked, shown, t_shown = False, None, 0.0
         while True:
@@ -449,11 +455,12 @@ def run_pair(cmd_a: str, cmd_b: str, work: Path, quiet: bool = False, floor: boo
                 if why:
                     raise BadInput(f"refused: the runs could not train the same model: {why}")
                 checked = True
-                if "floor" in jobs and metas["A"].get("precision") != "32-true":  # the floor is 32-true's
-                    os.killpg(jobs["floor"]["proc"].pid, signal.SIGTERM)
-                    jobs["floor"]["proc"].wait()
-                    del jobs["floor"]
-                    continue
+            if floor_job and metas["A"]:
+                if metas["A"].get("precision") == "32-true":
+                    start("floor", floor_job)
+                    jobs["floor"] = floor_job
+                floor_job = None
+                continue
             if all(rc == 0 for rc in done.values()):
                 for key, j in jobs.items():
                     if metas[key] is None:
