@@ -7,9 +7,9 @@ The processes come from a forkserver that imports torch once, so a job costs its
 of imports. The single-process references run here, in the test process.
 
 What is proven here (docs/ddp.md cites these names):
-  parity ............. N ranks x batch b == one process with batch N*b in 64-true, within 1e-9 over two epochs
-                       (94 steps, each epoch's last window partial), N = 2 and 4, 4 also with --accumulate; in fp32
-                       (mlp, 2 ranks) within 10 noise floors (and a wrong batch size is far from it)
+  parity ............. N ranks x batch b == one process with batch N*b in 64-true (the mlp), within 1e-9 over two
+                       epochs (94 steps, each epoch's last window partial), N = 2 and 4, 4 also with --accumulate;
+                       in fp32 (mlp, 2 ranks) within 10 noise floors (and a wrong batch size is far from it)
   uneven windows ..... 2 ranks x 4 x accumulate 2 on 61 samples (31/30 shards: each epoch's last window holds 7
                        samples of rank 0's and 6 of rank 1's) == one process with batch 16, in 64-true: the weights,
                        every logged train loss and accuracy, samples_seen, and every rank's validation numbers (15
@@ -53,6 +53,10 @@ from manual_train.runtime import TrainingDiverged
 
 GLOBAL_BATCH = 32  # every parity run: one optimizer step averages 32 samples (47 steps per epoch of digits)
 PARITY_EPOCHS = 2  # 94 steps; both epochs end in a partial window (1500 = 46 x 32 + 28)
+# The 64-true parity runs train the mlp: what DDP can get wrong (sharding, averaging, windows) is the loop's, not the
+# layers'; the cnn in float64 costs ~25x the mlp's CPU per sample (2 epochs at batch 128: 1.7 s against 0.07 s,
+# 2026-12-06, 2-core Xeon).
+PARITY_MODEL = "mlp"
 PRECISION_STEPS = 6
 LR = 0.2  # one epoch at the default 0.05 leaves the model near chance; at 0.2 it reaches ~0.6 val accuracy
 # Early stopping: monitor val_acc and stop at the first evaluation without a gain of more than 0.5 points.
@@ -245,7 +249,7 @@ def _scenario(name: str, world_size: int, rank: int, out: Path) -> dict:
     # parity scenarios: "parity", "parity_accumulate" (64-true), "parity_fp32", "parity_16-mixed", ...
     kwargs = {"accumulate": 2} if name == "parity_accumulate" else {}
     if name in ("parity", "parity_accumulate"):
-        kwargs.update(precision="64-true")
+        kwargs.update(precision="64-true", model=PARITY_MODEL)
     if name == "parity_fp32":
         kwargs.update(model=FP32_MODEL)
     if name in ("parity_16-mixed", "parity_bf16-mixed"):  # 16-bit is slow on this CPU: a few steps, not an epoch
@@ -279,7 +283,8 @@ def _single_run(out: Path, **flags) -> Path:
 @pytest.fixture(scope="module")
 def single32(tmp_path_factory):
     """The baseline of the 64-true parity scenarios: one process, batch 32 (the global batch), two epochs."""
-    return _single_run(tmp_path_factory.mktemp("single32"), batch_size=GLOBAL_BATCH, precision="64-true")
+    return _single_run(tmp_path_factory.mktemp("single32"), batch_size=GLOBAL_BATCH, precision="64-true",
+                       model=PARITY_MODEL)
 
 
 @pytest.fixture(scope="module")
@@ -369,9 +374,9 @@ def test_uneven_windows_on_two_ranks_equal_one_process(job2, single_odd):
 # ---------------------------------------------------------------------- evaluation
 def _single_process_eval(weights: dict, indices=None):
     """Evaluate 64-true weights on the digits val set (or some of its indices) in one process, in float64."""
-    cfg = Config(precision="64-true")  # otherwise the defaults: digits, cnn
+    cfg = Config(precision="64-true", model=PARITY_MODEL)  # otherwise the defaults: digits
     _, val_ds, info = data.build_datasets(cfg)
-    raw_model = build_model("cnn", info).double()
+    raw_model = build_model(PARITY_MODEL, info).double()
     raw_model.load_state_dict(weights)
     ds = val_ds if indices is None else torch.utils.data.Subset(val_ds, indices)
     loader = data.build_loader(ds, cfg, torch.device("cpu"), batch_size=256)
@@ -387,7 +392,7 @@ def test_distributed_evaluation_equals_single_process_evaluation(world_size, job
     assert count == 297 and 297 % world_size != 0  # shards of unequal size: 149/148, 75/74/74/74
     for r in results:  # every rank reports the same, all-reduced numbers
         assert r["parity"]["final_val_acc"] == val_acc  # a ratio of two exact integer counts
-        # The same samples, each counted once; per-sample losses differ in the last bits between a conv over 149
+        # The same samples, each counted once; per-sample losses differ in the last bits between a matmul over 149
         # or 75 samples and one over 297 (fp32: 4e-8 relative), so not bit for bit: in float64 to 1e-12.
         assert r["parity"]["final_val_loss"] == pytest.approx(val_loss, rel=1e-12, abs=0)
     # Lightning's way, the wrong variant: DistributedSampler pads 297 to 300 with repeats of the first samples.

@@ -941,7 +941,7 @@ def test_parity_a_mixed_precision_run_gets_no_noise_floor_run(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "manual_train.parity", "--quiet", "--work-dir", str(tmp_path / "w"),
                            "--a", flags, "--b", flags], capture_output=True, text=True, cwd=REPO, timeout=600)
     assert proc.returncode == 0 and proc.stdout.startswith("no verdict (16-mixed)"), proc.stdout + proc.stderr
-    assert (tmp_path / "w" / "a" / "steps.jsonl").read_text().count("\n") == 35  # A ran to its end: step 0, 2 epochs of 17 steps
+    assert (tmp_path / "w" / "a" / "steps.jsonl").read_text().count("\n") == 35  # to its end: step 0, 2 x 17 steps
     assert not (tmp_path / "w" / "floor.log").exists()  # the floor run never started
 
 
