@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import atexit
 import fcntl
+import gc
 import hashlib
 import json
 import math
@@ -66,6 +67,14 @@ def dearest_first(items: list) -> list:
 
 def pytest_collection_modifyitems(config, items):
     items[:] = dearest_first(items)
+
+
+def pytest_collection_finish(session):
+    """Collected: torch, the library and the test modules are imported, and none of it is garbage. gc.freeze moves
+    it out of the collector's reach, so each full collection during the run (the interpreter's own, and teardown()'s
+    after an in-process group) scans only what the tests made since, not the whole heap of torch._dynamo's modules
+    (tests/jobs.py's ranks do the same)."""
+    gc.freeze()
 
 
 # `pytest --cost-report=FILE`: where the time goes, per test file (tests/costs.py; README's Tests section).
