@@ -2,8 +2,11 @@
 
     python tests/faulty_single.py --fail-at-step 25 --fail-mode kill <single flags>
 """
+import gc
 import os
 import sys
+
+gc.disable()  # no collections while torch imports: ~1 s less CPU per process (docs/levers.md)
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(TESTS), TESTS]
@@ -11,6 +14,9 @@ sys.path[:0] = [os.path.dirname(TESTS), TESTS]
 from faults import main  # noqa: E402
 
 from manual_train.loops import single  # noqa: E402
+
+gc.freeze()  # what the imports made lives as long as the process: collections skip it
+gc.enable()
 
 if __name__ == "__main__":
     sys.exit(main(single, "single", "kill"))
