@@ -4,6 +4,9 @@ from __future__ import annotations
 import atexit
 import fcntl
 import gc
+
+gc.disable()  # no collections while torch and the library import (as the launch scripts do: docs/levers.md, Start-up)
+
 import hashlib
 import json
 import math
@@ -40,6 +43,8 @@ REPO = Path(__file__).resolve().parents[1]
 # 40 s of CPU and 107 s wall, 1 thread 3.3 s and 9.7 s. Every process alike also keeps "one code path, one kind of
 # process": a run here and a launch script compute with the same thread count.
 def pytest_configure(config):
+    gc.freeze()  # what the imports above made (torch): collections skip it; the collector is on from here
+    gc.enable()
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="pytest-inductor-")
