@@ -84,17 +84,35 @@ class TestRef:
         return self.node
 
 
+def source_segments(source: str):
+    """A function node -> ast.get_source_segment(source, node), the file's lines split once: the stdlib's splits the
+    whole file again on every call, quadratic in a file's length (read_tests: ~3 of the 4.5 CPU s of a site build;
+    tests/flag_mutants.py: 8.7 s per reading of the tests, 2-core EPYC, 2026-12-06)."""
+    lines = [line.encode() for line in re.split(r"(?<=\r\n)|(?<=\r)(?!\n)|(?<=\n)", source)]  # as ast splits: no \f
+
+    def segment(node) -> str | None:
+        if getattr(node, "end_lineno", None) is None or getattr(node, "end_col_offset", None) is None:
+            return None
+        first, last = node.lineno - 1, node.end_lineno - 1
+        if first == last:
+            return lines[first][node.col_offset:node.end_col_offset].decode()
+        return b"".join([lines[first][node.col_offset:], *lines[first + 1:last],
+                         lines[last][:node.end_col_offset]]).decode()
+    return segment
+
+
 def read_tests(root: Path) -> dict[str, TestRef]:
     """Every test function of tests/test_*.py, by node id (module-level and class methods)."""
     found = {}
     for path in sorted((root / "tests").glob("test_*.py")):
         text = path.read_text()
+        segment = source_segments(text)
         for node in ast.walk(ast.parse(text)):
             if isinstance(node, ast.FunctionDef) and node.name.startswith("test"):
                 rel = f"tests/{path.name}"
                 found[f"{rel}::{node.name}"] = TestRef(
                     f"{rel}::{node.name}", rel, node.name, " ".join((ast.get_docstring(node) or "").split()),
-                    node.lineno, asserted_bound(ast.get_source_segment(text, node)))
+                    node.lineno, asserted_bound(segment(node)))
     return found
 
 

@@ -171,28 +171,14 @@ class TestText:
     doc: str = ""  # its docstring: an observing test names there the flags whose values it checks
 
 
-def _source_segments(source: str):
-    """ast.get_source_segment(source, node) for one file, its lines split once: the stdlib's splits the whole file
-    again on every call, which made _test_texts quadratic (17 s of a test's CPU for ~3,000 segments, 2026-12-06)."""
-    lines = [line.encode() for line in re.split(r"(?<=\r\n)|(?<=\r)(?!\n)|(?<=\n)", source)]  # as ast splits: no \f
-
-    def segment(node) -> str | None:
-        if getattr(node, "end_lineno", None) is None or getattr(node, "end_col_offset", None) is None:
-            return None
-        first, last = node.lineno - 1, node.end_lineno - 1
-        if first == last:
-            return lines[first][node.col_offset:node.end_col_offset].decode()
-        return b"".join([lines[first][node.col_offset:], *lines[first + 1:last],
-                         lines[last][:node.end_col_offset]]).decode()
-    return segment
-
-
 def _test_texts() -> list[TestText]:
+    from manual_train.site import source_segments
+
     out = []
     for path in sorted(TESTS.glob("test_*.py")):
         source = path.read_text()
         tree = ast.parse(source)
-        segment = _source_segments(source)
+        segment = source_segments(source)
         top: dict[str, str] = {}
 
         def decorated(node) -> str:
