@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from typing import Callable, Optional, Sequence
 
 from manual_train.checkpoint import RunFinished
@@ -11,6 +12,9 @@ from manual_train.errors import Preempted, StorageError
 from manual_train.metrics import discard_unstarted_runs
 from manual_train.run import catch_notices, check_launcher_forwards, restore_signal_handlers
 from manual_train.runtime import TrainingDiverged
+
+# How long a quiet rank that refused its flags waits for torchrun to stop it (see _wait_for_local_rank_0).
+QUIET_RANK_WAIT_S = 60.0
 
 
 def run(train: Callable[[Config], dict], config_cls=Config, *, script: str, doc: Optional[str] = None,
@@ -47,6 +51,8 @@ def run(train: Callable[[Config], dict], config_cls=Config, *, script: str, doc:
     except UsageError as e:
         if report:
             print(f"error: {e}", file=sys.stderr)
+        else:
+            _wait_for_local_rank_0(f"error: {e}")
         return 2
     except TrainingDiverged as e:
         if report:
@@ -65,3 +71,13 @@ def run(train: Callable[[Config], dict], config_cls=Config, *, script: str, doc:
             print("interrupted", file=sys.stderr)
         return 130
     return 0
+
+
+def _wait_for_local_rank_0(line: str) -> None:
+    """A quiet rank's refusal of its flags under torchrun. The first worker to exit has torchrun stop the others
+    (SIGTERM): a quiet rank that exited first would stop local rank 0 before it said why (seen on a loaded 2-core
+    machine, rank 0 still importing torch: the user got torchrun's report and no error line). So it waits to be
+    stopped with the others: local rank 0 meets the same flags, prints the line and exits 2, and torchrun ends this
+    rank at its next check (0.1 s). A refusal only this rank meets is said by it after QUIET_RANK_WAIT_S."""
+    time.sleep(QUIET_RANK_WAIT_S)
+    print(f"{line} (rank {os.environ.get('RANK')}; local rank 0 did not end the job)", file=sys.stderr)

@@ -64,7 +64,14 @@ def main(loop_module, script: str, default_mode: str, config_cls=None, defaults:
     parser.add_argument("--fail-at-step", type=int, required=True, help="optimizer steps done when it fails")
     parser.add_argument("--fail-rank", type=int, default=0, help="the global rank that fails")
     parser.add_argument("--fail-mode", choices=MODES, default=default_mode)
+    parser.add_argument("--late-s", type=float, default=0.0,
+                        help="local rank 0 starts the launch script this many seconds after the others (a worker "
+                             "still importing on a loaded machine)")
     fault, rest = parser.parse_known_args()
     inject(loop_module, fault.fail_at_step, fault.fail_rank, fault.fail_mode)
+    if fault.late_s and os.environ.get("LOCAL_RANK", "0") == "0":
+        import time
+
+        time.sleep(fault.late_s)
     return run(loop_module.train, config_cls or Config, script=script, doc=loop_module.__doc__, argv=rest,
                **(defaults or {}))

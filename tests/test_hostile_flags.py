@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import run_script, torchrun
+from conftest import as_torchrun_rank, run_script, torchrun
 
 from manual_train import config as config_module
 from manual_train import find_batch_size
@@ -347,11 +347,31 @@ def test_find_batch_size_refuses_training_flags_and_bad_values(argv, flag, empty
 
 
 # ---------------------------------------------------------------------- 7. under torchrun
+def test_a_quiet_rank_that_refuses_waits_to_be_stopped_then_says_why_itself(tmp_path, monkeypatch, capsys):
+    """Local rank 1 under torchrun (as_torchrun_rank's environment) refuses silently while it waits for torchrun to
+    stop it (QUIET_RANK_WAIT_S); a refusal only it meets, not stopped, is then said by it: one line, exit 2. Its
+    wait is shortened here and counted: one full wait, not none."""
+    from manual_train import cli
+
+    as_torchrun_rank(monkeypatch, rank=1)
+    waits = []
+    monkeypatch.setattr(cli, "QUIET_RANK_WAIT_S", 0.01)
+    monkeypatch.setattr(cli.time, "sleep", lambda s: waits.append(s))
+    status = run(ddp.train, ddp.DDPConfig, script="ddp", argv=["--seed", "99999999999", "--out-dir",
+                                                                str(tmp_path / "run")])
+    line = assert_one_line(capsys.readouterr().err, "--seed")
+    assert status == 2 and waits == [0.01], waits
+    assert line.endswith("(rank 1; local rank 0 did not end the job)") and not (tmp_path / "run").exists()
+
+
 def test_under_torchrun_one_error_line_then_torchruns_report_and_exit_1(tmp_path):
     """The honest behaviour (docs/what-happens-when.md): local rank 0 prints the one line and exits 2;
-    torchrun then prints its ChildFailedError report and exits 1 whatever its workers returned."""
-    proc = run_script("ddp", "--seed", "99999999999", "--out-dir", str(tmp_path / "run"), launcher=torchrun(2),
-                      timeout=180)
+    torchrun then prints its ChildFailedError report and exits 1 whatever its workers returned. Local rank 0 starts
+    2 s after rank 1 (tests/faults.py's --late-s; launch/ddp.py otherwise): the quiet rank, which refuses first, must
+    not exit before rank 0 has said why (torchrun stops the other workers when one exits: on a loaded machine the
+    suite saw no line at all)."""
+    proc = run_script("tests/faulty_ddp", "--fail-at-step", "0", "--late-s", "2", "--seed", "99999999999",
+                      "--out-dir", str(tmp_path / "run"), launcher=torchrun(2), timeout=180)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert errors == ["error: --seed: 99999999999 is out of range (allowed: >= 0 and <= 2147483647)"], proc.stderr
     assert proc.returncode == 1, "torchrun's own status (if this changes, update docs/what-happens-when.md)"
