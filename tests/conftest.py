@@ -339,9 +339,16 @@ def needs_cuda(n: int = 1):
     return decorate
 
 
+# torchrun's agent as the `torchrun` command runs it (torch.distributed.run's main(), its exit status), its imports
+# made with the garbage collector off and then frozen, as the launch scripts make theirs (docs/levers.md, Start-up):
+# a 2-rank job of launch/ddp.py 7.9 -> 7.2 CPU s, the agent's own share (2-core EPYC, 2026-12-06, side by side).
+TORCHRUN_AGENT = [sys.executable, "-c", "import gc, sys; gc.disable(); from torch.distributed.run import main; "
+                  "gc.freeze(); gc.enable(); sys.exit(main())"]
+
+
 def torchrun(nproc: int, *extra: str) -> list[str]:
     """The launcher prefix for run_script: real torchrun, one node, nproc processes."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), *extra]
+    return [*TORCHRUN_AGENT, "--standalone", "--nproc_per_node", str(nproc), *extra]
 
 
 def run_ok(script: str, *args: str, launcher=None,

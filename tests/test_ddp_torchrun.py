@@ -1,8 +1,8 @@
 """launch/ddp.py under real torchrun (a subprocess, as a user starts it): parity, outputs, bad input, faults.
 
-torchrun is started as `python -m torch.distributed.run --standalone` (a free rendezvous port per job, so runs
-never collide). Every job costs torchrun's own import plus one per worker (~4-5 s each on this CPU), so each
-test starts one job, the uninterrupted 2-rank run (conftest's ddp_torchrun_uninterrupted: the mlp, 64-true) is shared
+torchrun is started as the `torchrun` command starts it (conftest's TORCHRUN_AGENT), with `--standalone` (a free
+rendezvous port per job, so runs never collide). Every job costs torchrun's own import plus one per worker (~4-5 s
+each on this CPU), so each test starts one job, the uninterrupted 2-rank run (conftest's ddp_torchrun_uninterrupted: the mlp, 64-true) is shared
 by the CLI parity and the restart tests here and tests/test_preemption.py's signal test, and the 4-rank outputs
 contract is checked on the 4-rank job of tests/test_ddp_parity.py (the same loop and files).
 """

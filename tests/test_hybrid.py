@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import copy
 import json
-import sys
 
 import pytest
 import torch
@@ -380,7 +379,7 @@ def test_gpu_ddp_mp_two_ranks(tmp_path, _):
     """torchrun 2 ranks, each on its own pair (cuda:0,1 and cuda:2,3), nccl: the weights of one process, batch 2b."""
     out_dir = tmp_path / "ddp"
     argv = [f"--{k.replace('_', '-')}={v}" for k, v in SEQ.items() if k != "batch_size"]
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    launcher = torchrun(2)
     result = run_script("hybrid", "--mode", "ddp-mp", "--batch-size", "10", "--out-dir", str(out_dir), *argv,
                         launcher=launcher, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]

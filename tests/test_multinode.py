@@ -12,12 +12,11 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
-import sys
 import time
 import uuid
 
 import pytest
-from conftest import REPO, TORCHRUN_VARS, load_model_state, max_param_diff, run_script, torchrun
+from conftest import REPO, TORCHRUN_AGENT, TORCHRUN_VARS, load_model_state, max_param_diff, run_script, torchrun
 
 FLAGS = ("--epochs", "1", "--batch-size", "16", "--precision", "64-true", "--no-progress")
 TOL = 1e-9  # 64-true: the same ranks compute the same shards in the same order; only the launch differs
@@ -34,7 +33,7 @@ def free_port() -> int:
 def agent(node_rank: int, endpoint: str, rdzv_id: str, out_dir) -> subprocess.Popen:
     """One node's torchrun: one worker, c10d rendezvous at endpoint. LOGLEVEL=INFO makes the agent log the ranks
     the rendezvous gave it (`global_ranks=[...]`); OMP_NUM_THREADS=1 as torchrun sets it for --nproc_per_node 2."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node_rank),
+    cmd = [*TORCHRUN_AGENT, "--nnodes", "2", "--node-rank", str(node_rank),
            "--nproc_per_node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", rdzv_id,
            "--rdzv-conf", "join_timeout=120", str(REPO / "launch" / "ddp.py"), *FLAGS, "--out-dir", str(out_dir)]
     env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS}
