@@ -206,7 +206,8 @@ def test_ddp_s_knobs_are_refused_not_ignored(tmp_path, monkeypatch, knob):
 
 
 def test_the_bubble_benchmark_measures_finite_fractions_near_the_formula():
-    rows = bench_pipeline.bubble_rows(stages=2, microbatches=(1, 2, 4, 8), steps=3)
+    """The benchmark's function, its 2 ranks forked from the forkserver tests/jobs.py warmed (not 2 imports of torch)."""
+    rows = bench_pipeline.bubble_rows(stages=2, microbatches=(1, 2, 4, 8), steps=3, start_method="forkserver")
     assert [r["microbatches"] for r in rows] == [1, 2, 4, 8]
     for r in rows:
         assert all(0 <= f < 1 for f in r["idle_fraction_per_stage"]), r

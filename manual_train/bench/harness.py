@@ -239,14 +239,16 @@ def fresh_process(fn: Callable, kwargs: dict, *, log_path: Path, timeout_s: floa
     return payload
 
 
-def spawn_ranks(fn: Callable, nprocs: int, *args) -> dict:
-    """fn(rank, *args, out) in nprocs processes (torch.multiprocessing.spawn), the distributed entries' ranks: each
-    puts its results into `out`, a Manager's dict shared by all of them; returns what they put there."""
+def spawn_ranks(fn: Callable, nprocs: int, *args, start_method: str = "spawn") -> dict:
+    """fn(rank, *args, out) in nprocs processes (torch.multiprocessing's start_processes: "spawn", fresh interpreters
+    as the benchmark's; "forkserver" forks them from a warm server, a test's way to skip an import of torch per rank),
+    the distributed entries' ranks: each puts its results into `out`, a Manager's dict shared by all of them; returns
+    what they put there."""
     import torch.multiprocessing as mp
 
     with mp.Manager() as manager:
         shared = manager.dict()
-        mp.spawn(fn, args=(*args, shared), nprocs=nprocs)
+        mp.start_processes(fn, args=(*args, shared), nprocs=nprocs, start_method=start_method)
         return dict(shared)
 
 

@@ -62,10 +62,13 @@ def _stage_child(rank: int, stages: int, microbatches: tuple, steps: int, port: 
     dist.destroy_process_group()
 
 
-def bubble_rows(stages: int = 2, microbatches: tuple = (1, 2, 4, 8), steps: int = 5) -> list[dict]:
-    """One row per m: each stage's measured idle fraction and the formula's (p-1)/(m+p-1)."""
+def bubble_rows(stages: int = 2, microbatches: tuple = (1, 2, 4, 8), steps: int = 5,
+                start_method: str = "spawn") -> list[dict]:
+    """One row per m: each stage's measured idle fraction and the formula's (p-1)/(m+p-1). start_method: as
+    harness.spawn_ranks'."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    out = spawn_ranks(_stage_child, stages, stages, tuple(microbatches), steps, _free_port())
+    out = spawn_ranks(_stage_child, stages, stages, tuple(microbatches), steps, _free_port(),
+                      start_method=start_method)
     per_stage = [out[r] for r in range(stages)]
     return [dict(stages=stages, microbatches=m, formula=(stages - 1) / (m + stages - 1),
                  idle_fraction_per_stage=[round(per_stage[r][i], 3) for r in range(stages)])

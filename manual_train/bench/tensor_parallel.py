@@ -100,14 +100,15 @@ def _child(rank: int, shapes: tuple, port: int, batch: int, out) -> None:
     dist.destroy_process_group()
 
 
-def measure(shapes=((1, 2, False), (1, 2, True), (2, 2, False)), batch: int = 16) -> list[dict]:
+def measure(shapes=((1, 2, False), (1, 2, True), (2, 2, False)), batch: int = 16,
+            start_method: str = "spawn") -> list[dict]:
     """One row per (dp, tp, sequence parallel): every rank's bytes held and communicated in one step, and the
-    formulas'."""
+    formulas'. start_method: as harness.spawn_ranks'."""
     from manual_train.distributed import _free_port
 
     rows = []
     for dp, tp, sp in shapes:
-        out = spawn_ranks(_child, dp * tp, (dp, tp, sp), _free_port(), batch)
+        out = spawn_ranks(_child, dp * tp, (dp, tp, sp), _free_port(), batch, start_method=start_method)
         ranks = [out[r] for r in range(dp * tp)]
         rows.append(dict(dp=dp, tp=tp, sequence_parallel=sp, held_per_rank=[r["held"] for r in ranks],
                          held_formula=ranks[0]["held_formula"], comm_per_rank=[r["comm_total"] for r in ranks],
