@@ -361,9 +361,10 @@ def run_ok(script: str, *args: str, launcher=None,
 
 # One real 2-rank torchrun job of launch/ddp.py, run once per pytest run and read by the tests whose subject is the
 # launch (tests/test_ddp_torchrun.py: its parity with one process and a killed worker's restart; tests/
-# test_preemption.py: a signal on one rank): their uninterrupted run is this one, not one job each. A job costs
-# torchrun's agent and one interpreter per rank (~35 s of CPU on a 2-core EPYC); the mlp in 64-true, 2 epochs of
-# digits at a global batch of 32 (47 steps an epoch) is the smallest run those tests' proofs need.
+# test_preemption.py: a signal on one rank; tests/test_multinode.py: the same job on two "nodes"): their
+# uninterrupted run is this one, not one job each. A job costs torchrun's agent and one interpreter per rank (~35 s of
+# CPU on a 2-core EPYC); the mlp in 64-true, 2 epochs of digits at a global batch of 32 (47 steps an epoch) is the
+# smallest run those tests' proofs need.
 DDP_TORCHRUN_FLAGS = ("--model", "mlp", "--batch-size", "16", "--epochs", "2", "--precision", "64-true",
                       "--no-progress")
 

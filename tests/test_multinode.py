@@ -16,11 +16,14 @@ import time
 import uuid
 
 import pytest
-from conftest import REPO, TORCHRUN_AGENT, TORCHRUN_VARS, load_model_state, max_param_diff, run_script, torchrun
+from conftest import DDP_TORCHRUN_FLAGS, REPO, TORCHRUN_AGENT, TORCHRUN_VARS, load_model_state, max_param_diff
 
-FLAGS = ("--epochs", "1", "--batch-size", "16", "--precision", "64-true", "--no-progress")
+# The single-node run is conftest's ddp_torchrun_uninterrupted (2 ranks on one node, one job per pytest run, read by
+# tests/test_ddp_torchrun.py and tests/test_preemption.py too): the two nodes train with its flags (the mlp in 64-true,
+# 2 epochs of digits at a global batch of 32), and the model is nothing this test is about.
+FLAGS = DDP_TORCHRUN_FLAGS
 TOL = 1e-9  # 64-true: the same ranks compute the same shards in the same order; only the launch differs
-AGENT_TIMEOUT_S = 240  # one epoch on 2 ranks takes ~15 s here; a rendezvous that never completes must end the test
+AGENT_TIMEOUT_S = 240  # the job takes ~10 s here; a rendezvous that never completes must end the test
 JOIN_GAP_S = 2.0  # the "node 1" agent starts this long before "node 0"
 
 
@@ -42,7 +45,7 @@ def agent(node_rank: int, endpoint: str, rdzv_id: str, out_dir) -> subprocess.Po
 
 
 @pytest.mark.slow
-def test_two_nodes_train_the_single_node_weights_and_global_rank_0_writes(tmp_path):
+def test_two_nodes_train_the_single_node_weights_and_global_rank_0_writes(tmp_path, ddp_torchrun_uninterrupted):
     out = tmp_path / "two-nodes"  # both agents write here: the shared filesystem
     endpoint, rdzv_id = f"127.0.0.1:{free_port()}", f"multinode-{uuid.uuid4().hex[:8]}"
     agents = {}
@@ -72,9 +75,7 @@ def test_two_nodes_train_the_single_node_weights_and_global_rank_0_writes(tmp_pa
     assert "global batch" not in stdout_other and "done: " not in stdout_other, stdout_other
     assert {"last.pt", "metrics.csv", "summary.json"} <= {p.name for p in out.iterdir()}
 
-    single_node = tmp_path / "one-node"
-    proc = run_script("ddp", *FLAGS, "--out-dir", str(single_node), launcher=torchrun(2), timeout=AGENT_TIMEOUT_S)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    single_node, _ = ddp_torchrun_uninterrupted
     diff = max_param_diff(load_model_state(out), load_model_state(single_node))
     print(f"two nodes vs one node: max abs weight diff {diff:.3g}")
     assert diff <= TOL, f"two nodes vs one node: max abs weight diff {diff:.3g}"
