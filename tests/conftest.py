@@ -359,6 +359,17 @@ def run_ok(script: str, *args: str, launcher=None,
     return proc
 
 
+def gpt_blocks(patch, blocks: int) -> None:
+    """--model gpt built with `blocks` blocks (models.GPT_LAYERS, 4) while `patch` (a MonkeyPatch) lasts, and the
+    pipeline's check of --stages against it (manual_train/pipeline.py holds its own copy): for tests whose proof no
+    block count changes and whose CPU the blocks are (tests/test_text.py, tests/test_compile.py)."""
+    from manual_train import models
+    from manual_train import pipeline
+
+    patch.setattr(models, "GPT_LAYERS", blocks)
+    patch.setattr(pipeline, "GPT_LAYERS", blocks)
+
+
 # One real 2-rank torchrun job of launch/ddp.py, run once per pytest run and read by the tests whose subject is the
 # launch (tests/test_ddp_torchrun.py: its parity with one process and a killed worker's restart; tests/
 # test_preemption.py: a signal on one rank; tests/test_multinode.py: the same job on two "nodes"): their

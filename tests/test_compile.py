@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch._dynamo.utils import counters
 
-from conftest import PARITY_TOL_64, load_model_state, make_cfg, max_param_diff
+from conftest import PARITY_TOL_64, gpt_blocks, load_model_state, make_cfg, max_param_diff
 from manual_train.errors import UsageError
 
 GPT = dict(model="gpt", dataset="reverse", synthetic_size=32, batch_size=16, max_steps=2, precision="64-true",
@@ -45,7 +45,6 @@ def test_compiled_gpt_captures_graphs_without_breaks_and_trains_as_eager(tmp_pat
     block by block (2-core EPYC, 2026-12-06: 76 CPU s with 4 blocks, 49 with 2, C++ compiling most of it), and 2
     blocks keep what a whole-model graph has that one block's has not (the loop over the blocks, the residual stream
     between them). --compile blocks compiles each of the 4 (the same graph: Inductor's cache compiles it once)."""
-    from manual_train import models
     from manual_train.distributed import DDPConfig
     from manual_train.config import Config
     from manual_train.loops import ddp, single
@@ -64,7 +63,7 @@ def test_compiled_gpt_captures_graphs_without_breaks_and_trains_as_eager(tmp_pat
     print(f"eager: compile_s {summary['compile_s']:.2f}, {summary['steady_samples_per_s']:.0f} samples/s")
     compiled_as(eager, "single_blocks", single, Config, "blocks")
     with monkeypatch.context() as patch:
-        patch.setattr(models, "GPT_LAYERS", 2)
+        gpt_blocks(patch, 2)
         eager_2_blocks, _ = _train(single, Config, tmp_path, "eager_2_blocks")
         assert len(eager_2_blocks) < len(eager)  # (the 2-block GPT: fewer parameter tensors)
         compiled_as(eager_2_blocks, "ddp_model", ddp, DDPConfig, "model")

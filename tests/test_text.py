@@ -4,10 +4,10 @@ every loop that trains the GPT weights each optimizer step by every target token
 The proof is 64-true parity with single.py at the same global batch, two epochs on a slice of 49 samples (2 and 3
 ranks divide neither it nor its windows; the 97 used until 2026-12-06 cost 1.3x the ranks' CPU and showed nothing
 more: each bug below is 1e7 or more times the bound on either), on a GPT of 2 blocks (TEXT_LAYERS: what is weighed
-is each target token, which no block's count changes; the pipeline's 2 stages get one block each), and the three normalisation bugs of current training
-stacks fail the same check: each micro-batch's own token mean / K (the 2024 gradient-accumulation bug of HF
-transformers, PR 34191), each rank's own token mean (torchtitan #1842), and weighting by samples (this repository's
-rule before the text).
+is each target token, which no block's count changes; the pipeline's 2 stages get one block each), and the three
+normalisation bugs of current training stacks fail the same check: each micro-batch's own token mean / K (the 2024
+gradient-accumulation bug of HF transformers, PR 34191), each rank's own token mean (torchtitan #1842), and weighting
+by samples (this repository's rule before the text).
 """
 from __future__ import annotations
 
@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import PARITY_TOL_64, assert_cross_path_64, load_model_state, make_cfg, max_param_diff, run_script
+from conftest import (PARITY_TOL_64, assert_cross_path_64, gpt_blocks, load_model_state, make_cfg, max_param_diff,
+                      run_script)
 from jobs import run_job
-from manual_train import data, models, text
-from manual_train import pipeline as pipeline_module
+from manual_train import data, text
 from manual_train.config import Config
 from manual_train.loops import ddp, pipeline, single, tensor_parallel, zero
 
@@ -57,17 +57,11 @@ def per_rank_mean(self, micro_step):
     return COUNT(self, micro_step)[0], self.sampler.num_replicas * max(own, 1)  # (an empty window has weight 0)
 
 
-def two_blocks(patch) -> None:
-    """--model gpt with TEXT_LAYERS blocks (and the pipeline's check of --stages against it)."""
-    patch.setattr(models, "GPT_LAYERS", TEXT_LAYERS)
-    patch.setattr(pipeline_module, "GPT_LAYERS", TEXT_LAYERS)
-
-
 def _scenario(name: str, world_size: int, rank: int, out: Path) -> dict:
     loop, flags, _ = SCENARIOS[name]
     module, config_cls = LOOPS[loop]
     with pytest.MonkeyPatch.context() as patch:
-        two_blocks(patch)
+        gpt_blocks(patch, TEXT_LAYERS)
         if name == "wrong_micro_batch_mean":
             patch.setattr(data.Windows, "count", per_micro_batch_mean)
         if name == "wrong_rank_mean":
@@ -100,10 +94,11 @@ def baselines(tmp_path_factory):
     found = {}
     for batch in (8, 12):
         with pytest.MonkeyPatch.context() as patch:
-            two_blocks(patch)
+            gpt_blocks(patch, TEXT_LAYERS)
             summary = single.train(make_cfg(out / str(batch), Config, **TEXT, batch_size=batch))
         found[batch] = load_model_state(out / str(batch) / "run"), summary
-        assert {k.split(".")[1] for k in found[batch][0] if k.startswith("blocks.")} == {"0", "1"}  # TEXT_LAYERS
+        blocks = {k.split(".")[1] for k in found[batch][0] if k.startswith("blocks.")}
+        assert blocks == {str(i) for i in range(TEXT_LAYERS)}, blocks
     return found
 
 
