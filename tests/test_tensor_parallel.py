@@ -2,10 +2,10 @@
 manual_train/tensor_parallel.py), and its sharded checkpoints (--checkpoint-format dcp) across world sizes.
 
 Parity in 64-true (PARITY_TOL_64 = 1e-9) against the baseline (loops/single.py, one process, the same flags): the
-GPT on the reverse task, 100 samples in batches of 16 (the epoch's last batch 4), accumulation over 2 batches,
-gradient clipping at 0.5 (DTensor norms), AdamW: --tp 2 on 2 ranks (every rank the same batches) and --dp 2 --tp 2
-on 4 (FSDP2 over 2 replicas of batch 8, the epoch's last micro-batches 2 and 2), each also with
---sequence-parallel. fp32: --tp 2 within 10 noise floors measured here (the baseline's drift from a one-ulp change
+GPT of 2 blocks (TP_LAYERS) on the reverse task, 100 samples in batches of 16 (the epoch's last batch 4),
+accumulation over 2 batches, gradient clipping at 0.5 (DTensor norms), AdamW: --tp 2 on 2 ranks (every rank the same
+batches) and --dp 2 --tp 2 on 4 (FSDP2 over 2 replicas of batch 8, the epoch's last micro-batches 2 and 2), each
+also with --sequence-parallel. fp32: --tp 2 within 10 noise floors measured here (the baseline's drift from a one-ulp change
 of its initial weights). Known-wrong variants that must fail, each monkeypatched here: attention viewing a rank's
 C/tp columns as a fixed n_head heads (in place of models.py's -1: n_head/tp heads), and the layers left unsharded
 (tensor_parallel.replicate a no-op) under the default (fused) and the foreach AdamW (the DTensor/foreach trap:
@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import (assert_same_path_bitwise, PARITY_TOL_64, as_torchrun_rank, assert_within_fp32_floor, final_weights, fp32_noise_floor,
-                      load_model_state, make_cfg, max_param_diff, run_ok, torchrun)
+                      gpt_blocks, load_model_state, make_cfg, max_param_diff, run_ok, torchrun)
 from jobs import run_job
 from manual_train import models
 from manual_train.config import Config, UsageError
@@ -38,6 +38,10 @@ PARITY = dict(model="gpt", dataset="reverse", optimizer="adamw", lr=3e-3, synthe
               accumulate=2, grad_clip=0.5, epochs=1, log_every=2, schedule="constant")  # constant: see the resume
 F64 = dict(precision="64-true")
 SCENARIOS2 = {"tp2": F64, "tp2_fp32": dict(), "fixed_heads": F64, "sp": dict(F64, sequence_parallel=True)}
+# The GPT's blocks in this file's runs (4 by default): each block is split alike (the same plan on every block), so
+# what TP can get wrong shows in one block's layers, and 2 keep the residual stream between blocks; ~60% of the
+# ranks' CPU of 4 (tests/test_text.py measured the same). The launch-script smoke run keeps the 4.
+TP_LAYERS = 2
 SCENARIOS4 = {"dp2tp2": dict(F64, checkpoint_format="dcp"), "dp2tp2_sp": dict(F64, sequence_parallel=True),
               "dcp_mid": dict(F64, checkpoint_format="dcp", async_checkpoint=True, max_steps=2)}  # 2 of 4 steps
 
@@ -69,14 +73,15 @@ def _scenario_resume(out: Path) -> dict:
 
 
 def _scenario(name: str, world_size: int, rank: int, out: Path) -> dict:
-    if name == "resume":
-        return _scenario_resume(out / name)
-    if name == "dcp_mid_at2":  # 4 ranks' shards, saved mid-epoch, read at 2 (DCP reshards them)
-        _train(out / name, **PARITY, **F64, resume=str(out.parent / "job4/dcp_mid/run/last.dcp"))
-        return {}
-    batch = dict(batch_size=8, dp=2, tp=2) if world_size == 4 else {}
-    flags = {**PARITY, **batch, **(SCENARIOS4 if world_size == 4 else SCENARIOS2)[name]}
     with pytest.MonkeyPatch.context() as patch:
+        gpt_blocks(patch, TP_LAYERS)  # (the ranks are forked from the forkserver: the module fixture is not theirs)
+        if name == "resume":
+            return _scenario_resume(out / name)
+        if name == "dcp_mid_at2":  # 4 ranks' shards, saved mid-epoch, read at 2 (DCP reshards them)
+            _train(out / name, **PARITY, **F64, resume=str(out.parent / "job4/dcp_mid/run/last.dcp"))
+            return {}
+        batch = dict(batch_size=8, dp=2, tp=2) if world_size == 4 else {}
+        flags = {**PARITY, **batch, **(SCENARIOS4 if world_size == 4 else SCENARIOS2)[name]}
         if name == "fixed_heads":
             patch.setattr(models.CausalSelfAttention, "forward", _fixed_head_count)
         summary = _train(out / name, **flags)
@@ -85,6 +90,15 @@ def _scenario(name: str, world_size: int, rank: int, out: Path) -> dict:
 
 PRELOAD = ["manual_train.loops.tensor_parallel", "manual_train.tokens", "torch.distributed.tensor.parallel",
            "torch.distributed.checkpoint"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def two_blocks():
+    """This process's runs (the baselines, the fp32 floor, the trap, the compile, the single loop's resume) on the
+    GPT of TP_LAYERS blocks, as the jobs' ranks (_scenario)."""
+    with pytest.MonkeyPatch.context() as patch:
+        gpt_blocks(patch, TP_LAYERS)
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +120,9 @@ def job2(root, job4):  # after job4: dcp_mid_at2 resumes its checkpoint
 def baseline(tmp_path_factory):
     out = tmp_path_factory.mktemp("single")
     summary = single.train(make_cfg(out, Config, **PARITY, precision="64-true"))
-    return load_model_state(out / "run"), summary
+    weights = load_model_state(out / "run")
+    assert {k.split(".")[1] for k in weights if k.startswith("blocks.")} == {str(i) for i in range(TP_LAYERS)}
+    return weights, summary
 
 
 @pytest.mark.parametrize("name", ["tp2", "sp"])
