@@ -393,6 +393,28 @@ def ddp_torchrun_uninterrupted(tmp_path_factory):
     return out / "A", subprocess.CompletedProcess(*proc)
 
 
+# The same for FSDP2: `torchrun --nproc_per_node=2 launch/zero.py` with these flags, run once per pytest run: tests/
+# test_zero_parity.py holds it to the DDP loop (within 1e-9, its last.dcp read whole) and tests/test_preemption.py
+# resumes a signalled copy of it and compares bit for bit. Stage 3, the stage that changes most, with sharded (DCP)
+# checkpoints: the mlp in 64-true, 2 epochs of digits at a global batch of 128 (12 steps an epoch, the last partial).
+ZERO_TORCHRUN_FLAGS = ("--stage", "3", "--impl", "torch", "--model", "mlp", "--optimizer", "adamw", "--lr", "1e-3",
+                       "--schedule", "constant", "--batch-size", "64", "--epochs", "2", "--precision", "64-true",
+                       "--checkpoint-format", "dcp", "--no-progress")
+
+
+@pytest.fixture(scope="session")
+def zero_torchrun_uninterrupted(tmp_path_factory):
+    """(out dir, CompletedProcess) of `torchrun --nproc_per_node=2 launch/zero.py *ZERO_TORCHRUN_FLAGS --out-dir Z`
+    (once_per_run: one job also under xdist)."""
+    def make(out):
+        proc = run_script("zero", *ZERO_TORCHRUN_FLAGS, "--out-dir", str(out / "Z"), launcher=torchrun(2), timeout=240)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return [proc.args, proc.returncode, proc.stdout, proc.stderr]
+
+    out, proc = once_per_run(tmp_path_factory, "zero-torchrun", make)
+    return out / "Z", subprocess.CompletedProcess(*proc)
+
+
 # The same for one process: launch/single.py's uninterrupted run of the mlp (32-true, 2 epochs of digits at batch 64,
 # 24 steps an epoch), run once per pytest run for the tests that interrupt that script for real and compare its
 # resumed end with it bit for bit (a launch script on both sides: one kind of process). tests/test_preemption.py (a

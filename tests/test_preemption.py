@@ -15,8 +15,8 @@ import signal
 import pytest
 import torch
 
-from conftest import (DDP_TORCHRUN_FLAGS, SINGLE_SCRIPT_FLAGS, assert_same_path_bitwise, final_weights, run_script,
-                      torchrun)
+from conftest import (DDP_TORCHRUN_FLAGS, SINGLE_SCRIPT_FLAGS, ZERO_TORCHRUN_FLAGS, assert_same_path_bitwise,
+                      final_weights, run_script, torchrun)
 from manual_train import checkpoint as ckpt_io
 from manual_train.cli import run
 from manual_train.errors import Preempted
@@ -24,7 +24,6 @@ from manual_train.loops import single
 
 SIGNAL_AT = 5  # optimizer steps done when the signal arrives: it lands in step 6, which is finished and saved
 SINGLE = list(SINGLE_SCRIPT_FLAGS)  # the mlp, 2 epochs at batch 64 (24 steps an epoch), 32-true unless said
-DIST = ["--model", "mlp", "--epochs", "2", "--batch-size", "32", "--log-every", "2", "--no-progress"]
 
 
 def stopped_by_signal(out_dir, name: str) -> dict:
@@ -63,20 +62,16 @@ def test_one_process_saves_within_the_step_exits_75_and_resumes_bitwise(tmp_path
 
 
 @pytest.mark.parametrize("script, argv, mode", [
-    ("ddp", list(DDP_TORCHRUN_FLAGS), "term"), ("zero", [*DIST, "--stage", "3", "--checkpoint-format", "dcp"], "usr1")],
+    ("ddp", list(DDP_TORCHRUN_FLAGS), "term"), ("zero", list(ZERO_TORCHRUN_FLAGS), "usr1")],
                          ids=["ddp-sigterm", "zero-fsdp2-dcp-sigusr1"])
 def test_a_signal_on_one_rank_stops_every_rank_at_the_same_step(tmp_path, script, argv, mode, request):
     """torchrun, 2 ranks: rank 1 alone gets the signal during step 6. Both ranks agree after step 6 (a 1-element
     all-reduce per step on a gloo group), save (FSDP2: each rank its DCP shards), exit 75 (torchrun then reports the
     failed workers and exits 1, as it does for any worker status but 0); the resumed job ends where the
-    uninterrupted one does. DDP's uninterrupted job is conftest's ddp_torchrun_uninterrupted (the same flags, one
-    job per pytest run: tests/test_ddp_torchrun.py reads it too)."""
-    if script == "ddp":
-        full = request.getfixturevalue("ddp_torchrun_uninterrupted")[0]
-    else:
-        full = tmp_path / "full"
-        proc = run_script(script, *argv, "--out-dir", str(full), launcher=torchrun(2))
-        assert proc.returncode == 0, proc.stderr[-3000:]
+    uninterrupted one does. The uninterrupted jobs are conftest's, with the same flags (one job each per pytest
+    run): ddp_torchrun_uninterrupted (tests/test_ddp_torchrun.py reads it too) and zero_torchrun_uninterrupted (FSDP2
+    with DCP checkpoints; tests/test_zero_parity.py holds it to the DDP loop)."""
+    full = request.getfixturevalue(f"{script}_torchrun_uninterrupted")[0]
     proc = run_script(f"tests/faulty_{script}", "--fail-at-step", str(SIGNAL_AT), "--fail-rank", "1", "--fail-mode",
                       mode, *argv, "--out-dir", str(tmp_path / "cut"), launcher=torchrun(2))
     assert proc.returncode == 1 and "exitcode  : 75" in proc.stderr, proc.stderr[-3000:]

@@ -34,8 +34,8 @@ What is proven here (docs/zero.md cites these names):
   memory ............ per-rank bytes at N = 2, 4 against DDP/N and the largest tensor; summary.json = measure_rank
                       (manual_train/bench/zero_memory.py)
   precision ......... 16-mixed composes (FSDP2's MixedPrecisionPolicy + ShardedGradScaler; OSS + GradScaler)
-  the CLI ........... torchrun launch/zero.py --stage 3 vs the DDP loop, the parity flags (64-true, two epochs; one
-                      (S, I): the matrix above covers the others in-process)
+  the CLI ........... torchrun launch/zero.py --stage 3 vs the DDP loop, the parity flags (64-true, two epochs, its
+                      sharded last.dcp read whole; one (S, I): the matrix above covers the others in-process)
 
 The known-wrong variants of torch ZeRO-1, FSDP2 and fairscale are mutants of their code (tests/mutants/zero.py), each
 killed by one case here with the job cut to its two scenarios (make mutants: zero-sharded-ddp-optimizer-zero-grad,
@@ -49,8 +49,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import (FP32_MODEL, PARITY_TOL_64, assert_within_fp32_floor, initial_weights_nudged, load_model_state,
-                      make_cfg, max_param_diff, run_script, torchrun)
+from conftest import (FP32_MODEL, PARITY_TOL_64, ZERO_TORCHRUN_FLAGS, assert_within_fp32_floor, final_weights,
+                      initial_weights_nudged, load_model_state, make_cfg, max_param_diff)
 from jobs import run_job
 
 from manual_train.bench.zero_memory import measure_per_rank_bytes, measure_rank
@@ -456,19 +456,18 @@ def test_16_mixed_composes_with_zero(impl_stage, job2_state):
 
 # ---------------------------------------------------------------------- the CLI, under torchrun
 @pytest.mark.slow
-def test_torchrun_zero_cli_equals_torchrun_ddp_cli(job2, tmp_path):
-    """torchrun --nproc_per_node=2 launch/zero.py --stage 3 --impl torch --model mlp --optimizer adamw --lr 1e-3 --schedule
-    constant --batch-size 64 --epochs 2 --precision 64-true --out-dir Z against the DDP loop with the same flags (job2's
-    ddp_plain: ddp.train on DDPConfig, what launch/ddp.py calls): within 1e-9. Stage 3 is the one that changes most;
-    the in-process matrix covers the others."""
+def test_torchrun_zero_cli_equals_torchrun_ddp_cli(job2, zero_torchrun_uninterrupted):
+    """torchrun --nproc_per_node=2 launch/zero.py --stage 3 --impl torch --model mlp --optimizer adamw --lr 1e-3
+    --schedule constant --batch-size 64 --epochs 2 --precision 64-true --checkpoint-format dcp --out-dir Z (conftest's
+    zero_torchrun_uninterrupted, which tests/test_preemption.py resumes too) against the DDP loop with the same flags
+    (job2's ddp_plain: ddp.train on DDPConfig, what launch/ddp.py calls): within 1e-9, Z's sharded last.dcp read
+    whole. Stage 3 is the one that changes most; the in-process matrix covers the others."""
     out, results = job2
-    z = tmp_path / "Z"
-    proc = run_script("zero", "--stage", "3", "--impl", "torch", "--model", "mlp", "--optimizer", "adamw", "--lr", "1e-3", "--schedule",
-                      "constant", "--batch-size", str(GLOBAL_BATCH // 2), "--epochs", str(PARITY_EPOCHS),
-                      "--precision", "64-true", "--out-dir", str(z), "--no-progress", launcher=torchrun(2))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    diff = max_param_diff(load_model_state(z), weights(out, "ddp_plain"))
-    assert diff <= PARITY_TOL_64, f"Z/last.pt vs the DDP loop's last.pt: max abs diff {diff:.3g}"  # measured 0.0
+    z, proc = zero_torchrun_uninterrupted
+    flags = " ".join(ZERO_TORCHRUN_FLAGS)
+    assert f"--batch-size {GLOBAL_BATCH // 2} " in flags and f"--epochs {PARITY_EPOCHS} " in flags  # job2's run
+    diff = max_param_diff(final_weights(z), weights(out, "ddp_plain"))
+    assert diff <= PARITY_TOL_64, f"Z/last.dcp vs the DDP loop's last.pt: max abs diff {diff:.3g}"  # measured 0.0
     assert "global batch 128 = batch 64 x accumulate 1 x world size 2" in proc.stdout
     assert proc.stdout.count("bytes per rank (--impl torch --stage 3, 2 ranks") == 1  # rank 0 prints the table
     assert "ZeRO formula" in proc.stdout and "DDP formula" in proc.stdout
