@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_cross_path_64, PARITY_TOL_64, load_model_state, make_cfg, max_param_diff, run_script, torchrun
+from conftest import assert_cross_path_64, PARITY_TOL_64, load_model_state, make_cfg, max_param_diff
 from jobs import run_job
 
 from manual_train import data
@@ -425,18 +425,6 @@ def test_a_mid_epoch_resume_on_uneven_shards_ends_where_the_uninterrupted_run_di
     assert diff <= PARITY_TOL_64, f"resumed after 9 of 12 steps vs uninterrupted: {diff:.3g}"
     assert all(r["const_resumed"]["optimizer_steps"] == r["const"]["optimizer_steps"] == 12 for r in results)
     assert all(r["const_resumed"]["samples_seen"] == 2 * 77 for r in results)
-
-
-@pytest.mark.slow
-def test_torchrun_three_ranks_on_77_samples_equal_the_single_process(single_uneven, tmp_path):
-    flags = ["--dataset", "synthetic", "--synthetic-size", "77", "--synthetic-shape", "1,8,8", "--epochs", "2",
-             "--lr", "0.1", "--precision", "64-true", "--log-every", "2", "--no-progress"]
-    proc = run_script("ddp", *flags, "--batch-size", str(UNEVEN_BATCH), "--out-dir", str(tmp_path / "D"),
-                      launcher=torchrun(UNEVEN_RANKS), timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    diff = max_param_diff(load_model_state(tmp_path / "D"), load_model_state(single_uneven[1]))
-    assert diff <= PARITY_TOL_64, f"torchrun 3 x 5 vs single 15 on 77 samples: {diff:.3g}"
-    assert "global batch 15 = batch 5 x accumulate 1 x world size 3" in proc.stdout
 
 
 def test_join_divides_by_the_ranks_still_training_only_when_told(job2):

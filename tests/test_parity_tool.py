@@ -33,9 +33,14 @@ def assert_equal_report(proc, steps: str) -> None:
 
 # ---------------------------------------------------------------------- correct pairs: equal
 def test_ddp_three_ranks_equal_single_on_uneven_data(tmp_path):
-    proc = parity_tool(tmp_path, "--a", f"launch/single.py {TINY} --batch-size 24",
-                       "--b", f"torchrun --nproc_per_node=3 launch/ddp.py {TINY} --batch-size 8")
-    assert_equal_report(proc, r"11 steps \(0-10\)")  # the initial weights and 2 epochs of 5 steps
+    """77 samples at a global batch of 15 (3 ranks x 5): each epoch's last window holds 2 samples, so rank 2 steps
+    with an empty micro-batch (tests/test_ddp_knobs.py's uneven shards, in-process; here launch/ddp.py under real
+    torchrun, held to one process at every step: the CLI pairing of docs/ddp_knobs.md)."""
+    uneven = TINY.replace("--synthetic-size 100", "--synthetic-size 77")
+    proc = parity_tool(tmp_path, "--a", f"launch/single.py {uneven} --batch-size 15",
+                       "--b", f"torchrun --nproc_per_node=3 launch/ddp.py {uneven} --batch-size 5")
+    assert_equal_report(proc, r"13 steps \(0-12\)")  # the initial weights and 2 epochs of 6 steps
+    assert "global batch 15 = batch 5 x accumulate 1 x world size 3" in (tmp_path / "w" / "b.log").read_text()
 
 
 def test_zero_fsdp2_equals_single(tmp_path):
