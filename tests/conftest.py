@@ -53,15 +53,19 @@ def pytest_configure(config):
         costs.enable()
 
 
-# The dearest files first (wall seconds of a serial `pytest --cost-report`, 2-core Xeon with AVX-512, 2026-12-06;
-# README's Tests section). Under pytest-xdist --dist loadfile (`make test`) a worker takes the next file when it
-# runs out: a dear file taken last leaves the other workers idle while it runs alone (before this order, xdist
-# sorted files by their number of tests, so 150 one-line checks went first and a 90 s file could go last). Only
-# the order changes; a file missing from the list keeps its place after them.
-DEAREST_FIRST = ["test_zero_parity.py", "test_preemption.py", "test_compile.py", "test_text.py",
-                 "test_tensor_parallel.py", "test_hang_deadline.py", "test_parity_tool.py", "test_bench.py",
-                 "test_pipeline.py", "test_everyday.py", "test_ddp_torchrun.py", "test_ddp_knobs.py",
-                 "test_ddp_parity.py", "test_site.py", "test_storage_faults.py", "test_operator_kills.py"]
+# The dearest files first (wall seconds in a `make test --cost-report` run: 2 workers, 2-core AMD EPYC with AVX-512,
+# 2026-12-07; README's Tests section). Under pytest-xdist --dist loadfile (`make test`) a worker takes the next file
+# when it runs out: a dear file taken last leaves the other workers idle while it runs alone (before this order,
+# xdist sorted files by their number of tests, so 150 one-line checks went first and a 90 s file could go last; and
+# a file missing from this list goes after them: test_tune.py, 36 s, ran last while the other core idled ~30 s).
+# Only the order changes; a file missing from the list keeps its place after them.
+DEAREST_FIRST = ["test_compile.py", "test_preemption.py", "test_text.py", "test_zero_parity.py", "test_parity_tool.py",
+                 "test_bench.py", "test_pipeline.py", "test_hang_deadline.py", "test_everyday.py", "test_tune.py",
+                 "test_tensor_parallel.py", "test_ddp_torchrun.py", "test_storage_faults.py",
+                 "test_operator_kills.py", "test_ddp_knobs.py", "test_generate.py", "test_site.py",
+                 "test_ddp_parity.py", "test_hybrid.py", "test_mutants.py", "test_checkpoint.py", "test_teardown.py",
+                 "test_hostile_flags.py", "test_any_cpu.py", "test_multinode.py", "test_flags_observed.py",
+                 "test_gpt_task.py"]
 
 
 def dearest_first(items: list) -> list:
