@@ -32,9 +32,14 @@ REPO = Path(__file__).resolve().parents[1]
 # torch.compile's on-disk cache (Inductor's compiled kernels and graphs) defaults to /tmp/torchinductor_<user>, one
 # folder for every run on the machine: other checkouts, killed runs, `make mutants`' mutated copies. On 2026-12-02
 # a cache shared that way made a fresh clone's compile tests fail (a compiled DDP backward aborted; FSDP2 with
-# --compile blocks ended 210 from eager), and the same tests passed with an empty cache. Each pytest session (and
-# the launch scripts and ranks it starts, which inherit the variable) compiles into its own cache, cold as on a CI
-# machine. (A hook, not an import-time line: a job's ranks import this module too, and must share the session's.)
+# --compile blocks ended 210 from eager), and the same tests passed with an empty cache. Each pytest run (and the
+# launch scripts and ranks it starts, which inherit the variable) compiles into its own cache, cold as on a CI
+# machine: one run, one tree of code. Under pytest-xdist the workers share the run's (pytest_configure_node hands
+# the controller's folder to each): the GPT's kernels compiled once serve test_compile.py, test_tensor_parallel.py
+# and their jobs' ranks. Measured 2026-12-07 on the 2-core AVX-512 EPYC: tests/test_compile.py cost 53.9 and 58.4
+# CPU s in a cold cache, 36.3 and 38.6 after test_tensor_parallel's compile test had filled it. A pytest that a test
+# starts (a mutant's kill run: other code) is no worker of this run and makes a cache of its own. (A hook, not an
+# import-time line: a job's ranks import this module too, and must share the run's.)
 #
 # One intra-op thread in every process of the suite: this pytest process, its jobs' ranks (tests/jobs.py) and every
 # process it starts (OMP_NUM_THREADS, inherited; torchrun sets the same for its ranks). The models here are tiny: a
@@ -47,10 +52,20 @@ def pytest_configure(config):
     gc.enable()
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="pytest-inductor-")
-    atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
+    run_cache = getattr(config, "workerinput", {}).get("inductor_cache_dir")  # an xdist worker: the run's folder
+    if run_cache:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = run_cache  # (the controller made it, and removes it at its exit)
+    else:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="pytest-inductor-")
+        atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
     if config.getoption("cost_report"):
         costs.enable()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """pytest-xdist's controller, before it starts a worker: the worker compiles into this run's Inductor cache."""
+    node.workerinput["inductor_cache_dir"] = os.environ["TORCHINDUCTOR_CACHE_DIR"]
 
 
 # The dearest files first (wall seconds in a `make test --cost-report` run: 2 workers, 2-core AMD EPYC with AVX-512,
