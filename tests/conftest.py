@@ -399,17 +399,22 @@ DDP_TORCHRUN_FLAGS = ("--model", "mlp", "--batch-size", "16", "--epochs", "2", "
                       "--no-progress")
 
 
-@pytest.fixture(scope="session")
-def ddp_torchrun_uninterrupted(tmp_path_factory):
-    """(out dir, CompletedProcess) of `torchrun --nproc_per_node=2 launch/ddp.py *DDP_TORCHRUN_FLAGS --out-dir A`
-    (once_per_run: one job also under xdist)."""
+def torchrun_once(tmp_path_factory, script: str, flags: tuple, folder: str) -> tuple[Path, subprocess.CompletedProcess]:
+    """(out dir, CompletedProcess) of `torchrun --nproc_per_node=2 launch/<script>.py *flags --out-dir <folder>`,
+    run once per pytest run (once_per_run: one job also under xdist); the job must end with status 0."""
     def make(out):
-        proc = run_script("ddp", *DDP_TORCHRUN_FLAGS, "--out-dir", str(out / "A"), launcher=torchrun(2), timeout=240)
+        proc = run_script(script, *flags, "--out-dir", str(out / folder), launcher=torchrun(2), timeout=240)
         assert proc.returncode == 0, proc.stderr[-3000:]
         return [proc.args, proc.returncode, proc.stdout, proc.stderr]
 
-    out, proc = once_per_run(tmp_path_factory, "ddp-torchrun", make)
-    return out / "A", subprocess.CompletedProcess(*proc)
+    out, proc = once_per_run(tmp_path_factory, f"{script}-torchrun", make)
+    return out / folder, subprocess.CompletedProcess(*proc)
+
+
+@pytest.fixture(scope="session")
+def ddp_torchrun_uninterrupted(tmp_path_factory):
+    """torchrun_once of launch/ddp.py with DDP_TORCHRUN_FLAGS, into A."""
+    return torchrun_once(tmp_path_factory, "ddp", DDP_TORCHRUN_FLAGS, "A")
 
 
 # The same for FSDP2: `torchrun --nproc_per_node=2 launch/zero.py` with these flags, run once per pytest run: tests/
@@ -423,15 +428,8 @@ ZERO_TORCHRUN_FLAGS = ("--stage", "3", "--impl", "torch", "--model", "mlp", "--o
 
 @pytest.fixture(scope="session")
 def zero_torchrun_uninterrupted(tmp_path_factory):
-    """(out dir, CompletedProcess) of `torchrun --nproc_per_node=2 launch/zero.py *ZERO_TORCHRUN_FLAGS --out-dir Z`
-    (once_per_run: one job also under xdist)."""
-    def make(out):
-        proc = run_script("zero", *ZERO_TORCHRUN_FLAGS, "--out-dir", str(out / "Z"), launcher=torchrun(2), timeout=240)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        return [proc.args, proc.returncode, proc.stdout, proc.stderr]
-
-    out, proc = once_per_run(tmp_path_factory, "zero-torchrun", make)
-    return out / "Z", subprocess.CompletedProcess(*proc)
+    """torchrun_once of launch/zero.py with ZERO_TORCHRUN_FLAGS, into Z."""
+    return torchrun_once(tmp_path_factory, "zero", ZERO_TORCHRUN_FLAGS, "Z")
 
 
 # The same for one process: launch/single.py's uninterrupted run of the mlp (32-true, 2 epochs of digits at batch 64,
