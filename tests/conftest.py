@@ -389,6 +389,12 @@ def gpt_blocks(patch, blocks: int) -> None:
     patch.setattr(pipeline, "GPT_LAYERS", blocks)
 
 
+def assert_gpt_blocks(state: dict, blocks: int) -> None:
+    """A GPT's weights hold blocks 0 to blocks - 1: its run was built as gpt_blocks said."""
+    found = {k.split(".")[1] for k in state if k.startswith("blocks.")}
+    assert found == {str(i) for i in range(blocks)}, found
+
+
 # One real 2-rank torchrun job of launch/ddp.py, run once per pytest run and read by the tests whose subject is the
 # launch (tests/test_ddp_torchrun.py: its parity with one process and a killed worker's restart; tests/
 # test_preemption.py: a signal on one rank; tests/test_multinode.py: the same job on two "nodes"): their

@@ -5,14 +5,14 @@ Parity in 64-true (PARITY_TOL_64 = 1e-9) against the baseline (loops/single.py, 
 GPT of 2 blocks (TP_LAYERS) on the reverse task, 100 samples in batches of 16 (the epoch's last batch 4),
 accumulation over 2 batches, gradient clipping at 0.5 (DTensor norms), AdamW: --tp 2 on 2 ranks (every rank the same
 batches) and --dp 2 --tp 2 on 4 (FSDP2 over 2 replicas of batch 8, the epoch's last micro-batches 2 and 2), each
-also with --sequence-parallel. fp32: --tp 2 within 10 noise floors measured here (the baseline's drift from a one-ulp change
-of its initial weights). Known-wrong variants that must fail, each monkeypatched here: attention viewing a rank's
-C/tp columns as a fixed n_head heads (in place of models.py's -1: n_head/tp heads), and the layers left unsharded
-(tensor_parallel.replicate a no-op) under the default (fused) and the foreach AdamW (the DTensor/foreach trap:
-optimizer.step raises). Resumes: a --tp 2 run from its own last.pt mid-epoch; the --dp 2 --tp 2 run's last.dcp
-(sharded, saved at the epoch's end) by launch/single.py's loop at world size 1 to the end of epoch 2, and a --dp 2
---tp 2 run's last.dcp saved mid-epoch (asynchronously) resumed at --tp 2 on 2 ranks: each ends equal to the
-uninterrupted run. Measured numbers: docs/tensor_parallel.md.
+also with --sequence-parallel. fp32: --tp 2 within 10 noise floors measured here (the baseline's drift from a
+one-ulp change of its initial weights). Known-wrong variants that must fail, each monkeypatched here: attention
+viewing a rank's C/tp columns as a fixed n_head heads (in place of models.py's -1: n_head/tp heads), and the layers
+left unsharded (tensor_parallel.replicate a no-op) under the default (fused) and the foreach AdamW (the
+DTensor/foreach trap: optimizer.step raises). Resumes: a --tp 2 run from its own last.pt mid-epoch; the
+--dp 2 --tp 2 run's last.dcp (sharded, saved at the epoch's end) by launch/single.py's loop at world size 1 to the
+end of epoch 2, and a --dp 2 --tp 2 run's last.dcp saved mid-epoch (asynchronously) resumed at --tp 2 on 2 ranks:
+each ends equal to the uninterrupted run. Measured numbers: docs/tensor_parallel.md.
 The known-wrong variants of the --sequence-parallel, fp32 and 2-D checks are mutants of the technique's code
 (tests/mutants/tensor_parallel.py; make mutants): tensor-parallel-sp-norm-grads-not-reduced fails the sp parity,
 tensor-parallel-row-output-not-reduced the fp32 noise-floor bound, tensor-parallel-2d-sampler-over-all-ranks the
@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import (assert_same_path_bitwise, PARITY_TOL_64, as_torchrun_rank, assert_within_fp32_floor, final_weights, fp32_noise_floor,
-                      gpt_blocks, load_model_state, make_cfg, max_param_diff, run_ok, torchrun)
+                      assert_gpt_blocks, gpt_blocks, load_model_state, make_cfg, max_param_diff, run_ok, torchrun)
 from jobs import run_job
 from manual_train import models
 from manual_train.config import Config, UsageError
@@ -121,7 +121,7 @@ def baseline(tmp_path_factory):
     out = tmp_path_factory.mktemp("single")
     summary = single.train(make_cfg(out, Config, **PARITY, precision="64-true"))
     weights = load_model_state(out / "run")
-    assert {k.split(".")[1] for k in weights if k.startswith("blocks.")} == {str(i) for i in range(TP_LAYERS)}
+    assert_gpt_blocks(weights, TP_LAYERS)
     return weights, summary
 
 

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import (PARITY_TOL_64, assert_cross_path_64, gpt_blocks, load_model_state, make_cfg, max_param_diff,
-                      run_script)
+from conftest import (PARITY_TOL_64, assert_cross_path_64, assert_gpt_blocks, gpt_blocks, load_model_state, make_cfg,
+                      max_param_diff, run_script)
 from jobs import run_job
 from manual_train import data, text
 from manual_train.config import Config
@@ -97,8 +97,7 @@ def baselines(tmp_path_factory):
             gpt_blocks(patch, TEXT_LAYERS)
             summary = single.train(make_cfg(out / str(batch), Config, **TEXT, batch_size=batch))
         found[batch] = load_model_state(out / str(batch) / "run"), summary
-        blocks = {k.split(".")[1] for k in found[batch][0] if k.startswith("blocks.")}
-        assert blocks == {str(i) for i in range(TEXT_LAYERS)}, blocks
+        assert_gpt_blocks(found[batch][0], TEXT_LAYERS)
     return found
 
 
